@@ -1,0 +1,1 @@
+"""Pure torch + Triton ops. Never imports ComfyUI."""

@@ -1,0 +1,19 @@
+"""The pack's V3 nodes. Node ids are saved in users' workflows: never rename them."""
+
+from typing_extensions import override
+
+from comfy_api.latest import ComfyExtension, io
+
+from .vae_tiling import VAEDecodeTiled
+
+NODES: list[type[io.ComfyNode]] = [VAEDecodeTiled]
+
+
+class QwenTurboExtension(ComfyExtension):
+    @override
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES
+
+
+async def comfy_entrypoint() -> QwenTurboExtension:
+    return QwenTurboExtension()

@@ -1,0 +1,1 @@
+"""Runtime machinery between kernels/ and nodes/: planning, patching, tiling."""

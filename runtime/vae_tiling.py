@@ -1,0 +1,366 @@
+"""Exact tiled VAE decoding under a memory budget.
+
+A decoder is described as a list of ops:
+- `Local`: maps a spatial crop to a crop `scale` times larger; an output pixel depends only on
+  input pixels within `radius` (in input pixels).
+- `Global`: needs the whole tensor (the mid-block attention). It runs untiled, at latent size.
+- `Stats`: a GroupNorm's statistics over the whole tensor, accumulated tile by tile and read by
+  the Local op that follows.
+
+Runs of Local ops execute as chains. Each tile reads its input with a halo as wide as the
+chain's receptive field and keeps only its interior, so tiles are stitched, never blended, and
+the result equals an untiled decode. A chain ends wherever its full output is small enough to
+keep; keeping it costs memory, recomputing halos costs time.
+
+The decoders are recognised by structure (ComfyUI's Wan 2.1 `Decoder3d` and the AutoencoderKL
+`Decoder`), so this module does not import ComfyUI.
+"""
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.group_norm_stats import (
+    finalize_moments,
+    group_moments,
+    group_norm_apply,
+    merge_moments,
+)
+
+log = logging.getLogger(__name__)
+
+State = tuple[torch.Tensor, ...]
+MIN_TILE = 8  # input pixels
+
+
+@dataclass
+class Local:
+    fn: Callable[..., State]
+    out_channels: int  # summed over the output state
+    peak_channels: float  # working set, in channels at output resolution
+    scale: int = 1
+    radius: float = 0.0
+
+
+@dataclass
+class Global:
+    fn: Callable[..., State]
+    out_channels: int
+
+
+@dataclass
+class Stats:
+    """GroupNorm statistics of state[index]; Local ops read them through `apply`."""
+
+    norm: torch.nn.Module
+    index: int = 0
+    mean: torch.Tensor | None = None
+    rstd: torch.Tensor | None = None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.norm.weight is None else self.norm.weight.to(x.device)
+        b = None if self.norm.bias is None else self.norm.bias.to(x.device)
+        return group_norm_apply(x, self.mean, self.rstd, w, b)
+
+
+# ---------------------------------------------------------------- decoder descriptions
+
+
+def _call(module) -> Callable[..., State]:
+    return lambda x: (module(x),)
+
+
+def _wan_ops(vae) -> list:
+    """ComfyUI's Wan 2.1 / Qwen-Image VAE (`comfy.ldm.wan.vae.WanVAE`) for one frame.
+
+    For T=1 every CausalConv3d sees zero temporal padding and `Resample` skips its time conv,
+    so calling the modules without a feature cache matches `WanVAE.decode`.
+    """
+    dec = vae.decoder
+    z = vae.conv2.out_channels
+    c0 = dec.conv1.out_channels
+    ops = [
+        Local(_call(vae.conv2), z, 2 * z),
+        Local(_call(dec.conv1), c0, 4 * z + c0, radius=1),
+    ]
+    c = c0
+    for layer in [*dec.middle, *dec.upsamples]:
+        kind = type(layer).__name__
+        if kind == "ResidualBlock":
+            c_in, c = layer.in_dim, layer.out_dim
+            # x, norm, SiLU, the 3-frame padded copy of each causal conv input, conv output
+            ops.append(Local(_call(layer), c, 2 * c_in + 6 * max(c_in, c), radius=2))
+        elif kind == "AttentionBlock":
+            ops.append(Global(_call(layer), c))
+        elif kind == "Resample" and layer.mode in ("upsample2d", "upsample3d"):
+            c = layer.dim // 2
+            ops.append(Local(_call(layer), c, 5 * c, scale=2, radius=0.5))
+        else:
+            raise NotImplementedError(f"Wan decoder layer {kind} ({getattr(layer, 'mode', '')})")
+    ops.append(Local(_call(dec.head), 3, 6 * c, radius=1))
+    return ops
+
+
+def _resnet_ops(block) -> list:
+    """AutoencoderKL ResnetBlock: two GroupNorm boundaries, the skip carried in the state."""
+    c_in, c_out = block.in_channels, block.out_channels
+    st1, st2 = Stats(block.norm1, 0), Stats(block.norm2, 1)
+    shortcut = None
+    if c_in != c_out:
+        shortcut = block.conv_shortcut if block.use_conv_shortcut else block.nin_shortcut
+
+    def first(x):
+        return x, block.conv1(F.silu(st1.apply(x)))
+
+    def second(x, h):
+        h = block.conv2(block.dropout(F.silu(st2.apply(h))))
+        if shortcut is not None:
+            x = shortcut(x)
+        return (x + h,)
+
+    return [
+        st1,
+        Local(first, c_in + c_out, 5 * c_in + c_out, radius=1),
+        st2,
+        Local(second, c_out, c_in + 7 * c_out, radius=1),
+    ]
+
+
+def _autoencoder_kl_ops(vae) -> list:
+    """ComfyUI's AutoencoderKL decoder (SD1.5, SDXL, SD3, Flux), `give_pre_end` off."""
+    dec = vae.decoder
+    ops = []
+    pqc = getattr(vae, "post_quant_conv", None)
+    if isinstance(pqc, torch.nn.Conv2d):
+        ops.append(Local(_call(pqc), pqc.out_channels, 2 * pqc.out_channels))
+    c = dec.conv_in.out_channels
+    ops.append(Local(_call(dec.conv_in), c, 2 * c, radius=1))
+    ops += [*_resnet_ops(dec.mid.block_1), Global(_call(dec.mid.attn_1), c)]
+    ops += _resnet_ops(dec.mid.block_2)
+    for i_level in reversed(range(dec.num_resolutions)):
+        up = dec.up[i_level]
+        for i_block, block in enumerate(up.block):
+            ops += _resnet_ops(block)
+            c = block.out_channels
+            if len(up.attn) > 0:
+                ops.append(Global(_call(up.attn[i_block]), c))
+        if i_level != 0:
+            r = 0.5 if up.upsample.with_conv else 0.0
+            ops.append(Local(_call(up.upsample), c, 3 * c, scale=2, radius=r))
+    norm_out = Stats(dec.norm_out, 0)
+    tanh = dec.tanh_out
+
+    def head(x):
+        y = dec.conv_out(F.silu(norm_out.apply(x)))
+        return (torch.tanh(y) if tanh else y,)
+
+    ops += [norm_out, Local(head, dec.conv_out.out_channels, 5 * c, radius=1)]
+    return ops
+
+
+def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
+    """The op list for decoding `latent` with a ComfyUI first-stage model.
+
+    Raises NotImplementedError naming what is not supported, so callers can fall back.
+    """
+    m = first_stage_model
+    dec = getattr(m, "decoder", None)
+    kind = type(dec).__name__
+    if type(m).__name__ == "WanVAE" and kind == "Decoder3d" and hasattr(m, "conv2"):
+        if latent.ndim != 5 or latent.shape[2] != 1:
+            raise NotImplementedError(f"Wan latents with T != 1 (shape {tuple(latent.shape)})")
+        return _wan_ops(m)
+    if kind == "Decoder" and type(dec).__module__.endswith("diffusionmodules.model"):
+        if latent.ndim != 4:
+            raise NotImplementedError(f"a {latent.ndim}-D latent for a 2-D VAE")
+        if dec.give_pre_end:
+            raise NotImplementedError("decoders with give_pre_end")
+        return _autoencoder_kl_ops(m)
+    raise NotImplementedError(f"the VAE {type(m).__name__} with decoder {kind}")
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass
+class Chain:
+    ops: list
+    scale: int
+    halo: int
+    tiles: list[tuple[int, int, int, int]]  # (y0, y1, x0, x1) in input pixels
+    store_on_device: bool
+
+
+@dataclass
+class Plan:
+    steps: list = field(default_factory=list)  # Chain | Global | (Stats, rows)
+
+    @property
+    def total(self) -> int:
+        return sum(len(s.tiles) if isinstance(s, Chain) else 1 for s in self.steps)
+
+    @property
+    def max_tiles(self) -> int:
+        return max((len(s.tiles) for s in self.steps if isinstance(s, Chain)), default=1)
+
+
+def _grid(h: int, w: int, th: int, tw: int) -> list[tuple[int, int, int, int]]:
+    ny, nx = math.ceil(h / th), math.ceil(w / tw)
+    ys = [round(i * h / ny) for i in range(ny + 1)]
+    xs = [round(i * w / nx) for i in range(nx + 1)]
+    return [(ys[i], ys[i + 1], xs[j], xs[j + 1]) for i in range(ny) for j in range(nx)]
+
+
+def _chain_geometry(ops: list) -> tuple[int, int]:
+    scale, radius = 1, 0.0
+    for op in ops:
+        radius += op.radius / scale
+        scale *= op.scale
+    return scale, math.ceil(radius - 1e-9)
+
+
+def _tile_bytes(ops, c_in, th, tw, halo, per_px) -> float:
+    """Working set of one tile of a chain: its input crop, the largest op, its output."""
+    pix = (th + 2 * halo) * (tw + 2 * halo)
+    c, worst, scale = c_in, 0.0, 1
+    for op in ops:
+        scale *= op.scale
+        worst = max(worst, op.peak_channels * pix * scale * scale)
+        c = op.out_channels
+    return per_px * (c_in * pix + worst + c * th * tw * scale * scale)
+
+
+def plan_decode(
+    ops: list,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    budget: int,
+    tile_px: int = 0,
+) -> Plan:
+    """Split `ops` into chains and tiles so that the working set stays within `budget` bytes.
+
+    shape: the latent's shape (B, C, [T,] H, W). tile_px: tile side in pixels at each chain's
+    output resolution (image pixels for the last chain), 0 = the largest tile that fits.
+    """
+    batch = shape[0] * (shape[2] if len(shape) == 5 else 1)
+    per_px = batch * torch.finfo(dtype).bits // 8
+    keep_limit = budget / 4
+    c, h, w = shape[1], shape[-2], shape[-1]
+    plan = Plan()
+    run: list[Local] = []
+
+    def flush():
+        nonlocal c, h, w
+        if not run:
+            return
+        scale, halo = _chain_geometry(run)
+        c_out = run[-1].out_channels
+        out_bytes = per_px * c_out * h * w * scale * scale
+        on_device = out_bytes <= keep_limit
+        held = per_px * c * h * w + (out_bytes if on_device else 0)
+        if tile_px:
+            t = max(1, math.ceil(tile_px / scale))
+            th, tw = min(t, h), min(t, w)
+        elif _tile_bytes(run, c, h, w, 0, per_px) + held <= budget:
+            th, tw = h, w
+        else:
+            lo, hi = MIN_TILE, max(h, w)
+            while lo < hi:  # largest square tile that fits
+                mid = (lo + hi + 1) // 2
+                fits = _tile_bytes(run, c, min(mid, h), min(mid, w), halo, per_px) + held
+                lo, hi = (mid, hi) if fits <= budget else (lo, mid - 1)
+            th, tw = min(lo, h), min(lo, w)
+        plan.steps.append(Chain(list(run), scale, halo, _grid(h, w, th, tw), on_device))
+        c, h, w = c_out, h * scale, w * scale
+        run.clear()
+
+    for op in ops:
+        if isinstance(op, Local):
+            run.append(op)
+            # end the chain where its output is cheap to keep
+            if per_px * op.out_channels * h * w * _chain_geometry(run)[0] ** 2 <= keep_limit:
+                flush()
+        else:
+            flush()
+            if isinstance(op, Stats):
+                rows = max(1, int(keep_limit // max(1, 4 * per_px * c * w)))
+                plan.steps.append((op, rows))
+            else:
+                plan.steps.append(op)
+                c = op.out_channels
+    flush()
+    return plan
+
+
+# ---------------------------------------------------------------- execution
+
+
+def _run_chain(chain: Chain, x: State, device, tick) -> State:
+    h, w = x[0].shape[-2:]
+    s, halo = chain.scale, chain.halo
+    out = None
+    for y0, y1, x0, x1 in chain.tiles:
+        a0, a1 = max(0, y0 - halo), min(h, y1 + halo)
+        b0, b1 = max(0, x0 - halo), min(w, x1 + halo)
+        crop = tuple(t[..., a0:a1, b0:b1].to(device) for t in x)
+        for op in chain.ops:
+            crop = op.fn(*crop)
+        ya, xa = (y0 - a0) * s, (x0 - b0) * s
+        inner = [t[..., ya : ya + (y1 - y0) * s, xa : xa + (x1 - x0) * s] for t in crop]
+        if len(chain.tiles) == 1:
+            out = tuple(inner)
+        else:
+            if out is None:
+                store = device if chain.store_on_device else "cpu"
+                out = tuple(
+                    torch.empty(*t.shape[:-2], h * s, w * s, dtype=t.dtype, device=store)
+                    for t in inner
+                )
+            for o, t in zip(out, inner, strict=True):
+                o[..., y0 * s : y1 * s, x0 * s : x1 * s] = t
+        del crop, inner
+        tick()
+    if not chain.store_on_device:
+        out = tuple(t.to("cpu") for t in out)
+    return out
+
+
+def _run_stats(op: Stats, rows: int, x: State, device) -> None:
+    t = x[op.index]
+    acc = None
+    for r0 in range(0, t.shape[-2], rows):
+        m = group_moments(t[..., r0 : r0 + rows, :].to(device), op.norm.num_groups)
+        acc = m if acc is None else merge_moments(acc, m)
+    op.mean, op.rstd = finalize_moments(acc, op.norm.eps)
+
+
+def execute(plan: Plan, latent: torch.Tensor, device, progress=None) -> torch.Tensor:
+    """Run a plan on `latent` (already in the VAE's dtype). Returns the decoder's output.
+
+    progress: optional callable(done, total), called after each tile; it may raise to stop.
+    """
+    total, done = plan.total, 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    x: State = (latent,)
+    with torch.inference_mode():
+        for step in plan.steps:
+            if isinstance(step, Chain):
+                x = _run_chain(step, x, device, tick)
+            elif isinstance(step, Global):
+                x = step.fn(*(t.to(device) for t in x))
+                tick()
+            else:
+                _run_stats(*step, x, device)
+                tick()
+    return x[0]
+

@@ -1,0 +1,49 @@
+"""Test setup: the real ComfyUI on CPU, the pack importable as `qwen_turbo`, tiny models.
+
+ComfyUI is found through COMFYUI_PATH, an ancestor folder, or ~/comfy/ComfyUI; without it
+the run stops with an error, so that a green run always means the integration tests ran.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.harness.comfyui import HOW_TO_PROVIDE, ROOT, ComfyServer, find_comfyui
+
+COMFY = find_comfyui()
+if COMFY is None:
+    raise pytest.UsageError(HOW_TO_PROVIDE)
+
+# In-process ComfyUI, CPU only, as `main.py --cpu` would set it up.
+sys.path.insert(0, str(COMFY))
+from comfy.cli_args import args  # noqa: E402
+
+args.cpu = True
+
+
+def _load_pack():
+    spec = importlib.util.spec_from_file_location(
+        "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["qwen_turbo"] = module
+    spec.loader.exec_module(module)
+
+
+_load_pack()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    from tests.harness.models import models_tree
+
+    return models_tree(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory, models_dir):
+    server = ComfyServer(COMFY, tmp_path_factory.mktemp("comfy_base"), models_dir)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,1 @@
+"""Runs the pack inside the real ComfyUI: locating it, tiny models, a server, workflows."""

@@ -1,0 +1,133 @@
+"""Find the real ComfyUI and run it headless on CPU with the pack installed."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOW_TO_PROVIDE = (
+    "no ComfyUI found. Set COMFYUI_PATH=/path/to/ComfyUI, put this pack in "
+    "ComfyUI/custom_nodes/, or check ComfyUI out at ~/comfy/ComfyUI."
+)
+
+
+def _is_comfyui(path: Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy").is_dir()
+
+
+def find_comfyui() -> Path | None:
+    """COMFYUI_PATH, then an ancestor folder (pack in custom_nodes/), then ~/comfy/ComfyUI."""
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return Path(env).resolve() if _is_comfyui(Path(env)) else None
+    for parent in ROOT.parents:
+        if _is_comfyui(parent):
+            return parent
+    home = Path.home() / "comfy" / "ComfyUI"
+    return home if _is_comfyui(home) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    """ComfyUI's main.py on loopback, CPU only, in a throwaway base directory.
+
+    custom_nodes/ holds links to this pack and to tests/testing_nodes; models/ links to the
+    tiny-model cache. Nothing is written into the ComfyUI checkout.
+    """
+
+    def __init__(self, comfy: Path, base: Path, models: Path):
+        self.comfy, self.base = comfy, base
+        nodes = base / "custom_nodes"
+        nodes.mkdir(parents=True)
+        (nodes / "qwen_turbo").symlink_to(ROOT, target_is_directory=True)
+        (nodes / "qwen_turbo_testing").symlink_to(ROOT / "tests" / "testing_nodes")
+        (base / "models").symlink_to(models, target_is_directory=True)
+        self.output = base / "output"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / "comfyui.log"
+        self.proc = None
+
+    def start(self, timeout: float = 180.0) -> None:
+        cmd = [
+            sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1",
+            "--port", str(self.port), "--base-directory", str(self.base),
+            "--database-url", "sqlite:///:memory:", "--disable-auto-launch",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.comfy, stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited at start:\n{self.log_text()[-4000:]}")
+            try:
+                self.get("/system_stats")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        raise TimeoutError(f"ComfyUI did not answer in {timeout}s:\n{self.log_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode()}") from e
+
+    def run(self, prompt: dict, timeout: float = 600.0) -> dict:
+        """Queue an API-format prompt and wait; returns its history entry."""
+        pid = self.post("/prompt", {"prompt": prompt, "client_id": "qwen-turbo-tests"})[
+            "prompt_id"
+        ]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hist = self.get(f"/history/{pid}")
+            if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+                entry = hist[pid]
+                if entry["status"]["status_str"] != "success":
+                    msgs = json.dumps(entry["status"].get("messages"), indent=1)[-4000:]
+                    raise RuntimeError(f"prompt failed:\n{msgs}")
+                return entry
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI died:\n{self.log_text()[-4000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"prompt {pid} did not finish in {timeout}s")
+
+    def images(self, entry: dict, node_id: str) -> list[Path]:
+        return [
+            self.output / img["subfolder"] / img["filename"]
+            for img in entry["outputs"][node_id]["images"]
+        ]

@@ -1,0 +1,123 @@
+"""Tiny random-weight models in ComfyUI's key format, made from a fixed seed and cached.
+
+The architectures are ComfyUI's own modules, built on the meta device for their parameter
+names and shapes; the weights come from a seeded generator. Files are cached outside the
+repo, under $QWEN_TURBO_CACHE or ~/.cache/qwen-turbo/test-models, keyed by name.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+VERSION = 1  # bump when a recipe changes
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("QWEN_TURBO_CACHE", Path.home() / ".cache" / "qwen-turbo"))
+    return root / "test-models"
+
+
+def random_state_dict(module: torch.nn.Module, seed: int, dtype=torch.float32) -> dict:
+    """Weights with unit-variance activations: W ~ N(0, 1/fan_in), norm gains ~ N(1, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, p in module.state_dict(keep_vars=True).items():
+        if p.ndim > 1:
+            t = torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5
+        elif name.endswith(("gamma", "weight")):  # 1-D weights are norm gains
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            t = 0.05 * torch.randn(p.shape, generator=g)
+        sd[name] = t.to(dtype).contiguous()
+    return sd
+
+
+def qwen_vae_module():
+    """The Qwen-Image VAE: ComfyUI's Wan 2.1 VAE at full width (dim 96, z 16)."""
+    from comfy.ldm.wan.vae import WanVAE
+
+    with torch.device("meta"):
+        return WanVAE(
+            dim=96,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=2,
+            attn_scales=[],
+            temperal_downsample=[False, True, True],
+        )
+
+
+def sd_vae_module():
+    """The SD1.5/SDXL AutoencoderKL at full width, as ComfyUI builds it from such a file."""
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    ddconfig = {
+        "double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3,
+        "ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [],
+        "dropout": 0.0,
+    }  # fmt: skip
+    with torch.device("meta"):
+        return AutoencoderKL(ddconfig=ddconfig, embed_dim=4)
+
+
+def qwen_dit_module(num_layers: int = 1):
+    """Qwen-Image's MMDiT at full width (3072, 24 heads, text 3584) with few blocks."""
+    import comfy.ops
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        num_layers=num_layers, device="meta", operations=comfy.ops.disable_weight_init
+    )
+
+
+def _cached(name: str, build, seed: int, dtype) -> Path:
+    path = cache_dir() / f"{name}-v{VERSION}-s{seed}.safetensors"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(random_state_dict(build(), seed, dtype), str(tmp))
+        tmp.replace(path)
+    return path
+
+
+def qwen_vae_file(seed: int = 0) -> Path:
+    return _cached("qwen_image_vae_random", qwen_vae_module, seed, torch.bfloat16)
+
+
+def qwen_dit_file(seed: int = 0, num_layers: int = 1) -> Path:
+    return _cached(
+        f"qwen_image_dit_{num_layers}layer_random",
+        lambda: qwen_dit_module(num_layers),
+        seed,
+        torch.bfloat16,
+    )
+
+
+def load_vae(path: Path):
+    """A ComfyUI VAE object from a cached file, as VAELoader builds it."""
+    import comfy.sd
+
+    return comfy.sd.VAE(sd=load_file(str(path)))
+
+
+def sd_vae(seed: int = 0):
+    import comfy.sd
+
+    return comfy.sd.VAE(sd=random_state_dict(sd_vae_module(), seed))
+
+
+def models_tree(root: Path) -> Path:
+    """A ComfyUI models/ folder whose diffusion_models and vae hold the tiny models."""
+    for sub, files in {
+        "diffusion_models": [qwen_dit_file()],
+        "vae": [qwen_vae_file()],
+    }.items():
+        d = root / sub
+        d.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            link = d / f.name
+            if not link.exists():
+                link.symlink_to(f)
+    return root

@@ -1,0 +1,53 @@
+"""UI-format workflow JSON -> API-format prompt, using the server's /object_info."""
+
+SEED_NAMES = ("seed", "noise_seed")
+VIRTUAL = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def _widget_inputs(info: dict) -> list[tuple[str, bool]]:
+    """(name, has a control_after_generate widget) for each widget input, in widget order."""
+    spec = info["input"]
+    order = info.get("input_order") or {k: list(v) for k, v in spec.items() if k != "hidden"}
+    out = []
+    for group in ("required", "optional"):
+        for name in order.get(group, []):
+            kind, *opts = spec[group][name]
+            if isinstance(kind, list) or kind in WIDGET_TYPES:
+                opts = opts[0] if opts else {}
+                control = opts.get("control_after_generate") or (
+                    kind == "INT" and name in SEED_NAMES
+                )
+                out.append((name, bool(control)))
+    return out
+
+
+def ui_to_api(ui: dict, object_info: dict) -> dict:
+    """Convert; raises ValueError for unknown node types or widget counts that do not match."""
+    links = {link[0]: link for link in ui.get("links", [])}
+    prompt = {}
+    for node in ui["nodes"]:
+        kind = node["type"]
+        if kind in VIRTUAL or node.get("mode", 0) in (2, 4):  # muted or bypassed
+            continue
+        if kind not in object_info:
+            raise ValueError(f"node {node['id']}: unknown node type {kind!r}")
+        inputs = {}
+        values = list(node.get("widgets_values") or [])
+        widgets = _widget_inputs(object_info[kind])
+        expected = sum(2 if control else 1 for _, control in widgets)
+        if len(values) != expected:
+            raise ValueError(
+                f"node {node['id']} ({kind}): {len(values)} widget values, expected {expected}"
+            )
+        for name, control in widgets:
+            inputs[name] = values.pop(0)
+            if control:
+                values.pop(0)
+        for inp in node.get("inputs", []):
+            link = inp.get("link")
+            if link is not None:
+                _, src, slot, *_ = links[link]
+                inputs[inp["name"]] = [str(src), slot]
+        prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs}
+    return prompt
