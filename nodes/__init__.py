@@ -1,8 +1,7 @@
 """The pack's V3 nodes. Node ids are saved in users' workflows: never rename them."""
 
-from typing_extensions import override
-
 from comfy_api.latest import ComfyExtension, io
+from typing_extensions import override
 
 from .vae_tiling import VAEDecodeTiled
 

@@ -248,34 +248,45 @@ def plan_decode(
     """
     batch = shape[0] * (shape[2] if len(shape) == 5 else 1)
     per_px = batch * torch.finfo(dtype).bits // 8
-    keep_limit = budget / 4
+    keep_limit = budget / 4  # a chain may end where its output is this small
     c, h, w = shape[1], shape[-2], shape[-1]
     plan = Plan()
     run: list[Local] = []
+    resident = True  # whether the current state is on the device
 
     def flush():
-        nonlocal c, h, w
+        nonlocal c, h, w, resident
         if not run:
             return
         scale, halo = _chain_geometry(run)
         c_out = run[-1].out_channels
+        in_bytes = per_px * c * h * w if resident else 0
         out_bytes = per_px * c_out * h * w * scale * scale
-        on_device = out_bytes <= keep_limit
-        held = per_px * c * h * w + (out_bytes if on_device else 0)
+        on_device = in_bytes + out_bytes <= 0.6 * budget
+        held = in_bytes + (out_bytes if on_device else 0)
+
+        def fits(th, tw, halo=halo):
+            return _tile_bytes(run, c, th, tw, halo, per_px) + held <= budget
+
         if tile_px:
             t = max(1, math.ceil(tile_px / scale))
             th, tw = min(t, h), min(t, w)
-        elif _tile_bytes(run, c, h, w, 0, per_px) + held <= budget:
+        elif fits(h, w, 0):
             th, tw = h, w
         else:
+            # the largest tile that fits: squares, or full-width strips when reading from host
+
+            def tile(t):
+                return min(t, h), (min(t, w) if resident else w)
+
             lo, hi = MIN_TILE, max(h, w)
-            while lo < hi:  # largest square tile that fits
+            while lo < hi:
                 mid = (lo + hi + 1) // 2
-                fits = _tile_bytes(run, c, min(mid, h), min(mid, w), halo, per_px) + held
-                lo, hi = (mid, hi) if fits <= budget else (lo, mid - 1)
-            th, tw = min(lo, h), min(lo, w)
+                lo, hi = (mid, hi) if fits(*tile(mid)) else (lo, mid - 1)
+            th, tw = tile(lo)
         plan.steps.append(Chain(list(run), scale, halo, _grid(h, w, th, tw), on_device))
         c, h, w = c_out, h * scale, w * scale
+        resident = on_device
         run.clear()
 
     for op in ops:
@@ -291,7 +302,7 @@ def plan_decode(
                 plan.steps.append((op, rows))
             else:
                 plan.steps.append(op)
-                c = op.out_channels
+                c, resident = op.out_channels, True
     flush()
     return plan
 
@@ -316,8 +327,11 @@ def _run_chain(chain: Chain, x: State, device, tick) -> State:
         else:
             if out is None:
                 store = device if chain.store_on_device else "cpu"
+                pin = not chain.store_on_device and torch.device(device).type == "cuda"
                 out = tuple(
-                    torch.empty(*t.shape[:-2], h * s, w * s, dtype=t.dtype, device=store)
+                    torch.empty(
+                        *t.shape[:-2], h * s, w * s, dtype=t.dtype, device=store, pin_memory=pin
+                    )
                     for t in inner
                 )
             for o, t in zip(out, inner, strict=True):
@@ -363,4 +377,3 @@ def execute(plan: Plan, latent: torch.Tensor, device, progress=None) -> torch.Te
                 _run_stats(*step, x, device)
                 tick()
     return x[0]
-

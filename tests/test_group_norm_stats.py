@@ -17,7 +17,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize(
-    "shape,groups,rows", [((2, 96, 17, 29), 32, 5), ((1, 128, 157, 31), 32, 40), ((1, 64, 5, 3), 1, 1)]
+    "shape,groups,rows",
+    [((2, 96, 17, 29), 32, 5), ((1, 128, 157, 31), 32, 40), ((1, 64, 5, 3), 1, 1)],
 )
 def test_tiled_group_norm_matches_reference(dtype, shape, groups, rows):
     g = torch.Generator().manual_seed(hash((shape, groups)) % 2**31)

@@ -109,9 +109,7 @@ class ComfyServer:
 
     def run(self, prompt: dict, timeout: float = 600.0) -> dict:
         """Queue an API-format prompt and wait; returns its history entry."""
-        pid = self.post("/prompt", {"prompt": prompt, "client_id": "qwen-turbo-tests"})[
-            "prompt_id"
-        ]
+        pid = self.post("/prompt", {"prompt": prompt, "client_id": "qwen-turbo-tests"})["prompt_id"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             hist = self.get(f"/history/{pid}")

@@ -1,9 +1,8 @@
 """Test-only ComfyUI nodes. Loaded by the test server, never shipped with the pack."""
 
 import torch
-from typing_extensions import override
-
 from comfy_api.latest import ComfyExtension, io
+from typing_extensions import override
 
 
 class TestConditioning(io.ComfyNode):
