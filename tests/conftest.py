@@ -5,9 +5,16 @@ the run stops with an error, so that a green run always means the integration te
 """
 
 import importlib.util
+import os
 import sys
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run through Triton's interpreter. It must be set before any
+# kernel module is imported, since @triton.jit picks the interpreter at decoration time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.harness.comfyui import HOW_TO_PROVIDE, ROOT, ComfyServer, find_comfyui
 

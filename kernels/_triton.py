@@ -1,0 +1,46 @@
+"""Whether the pack's Triton kernels can run, decided once at import; never raises."""
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no Triton: every op uses its eager reference
+    triton = tl = None
+    UNAVAILABLE = f"Triton is not installed ({e})"
+else:
+    UNAVAILABLE = None
+
+HAS_TRITON = triton is not None
+# TRITON_INTERPRET=1 runs the kernels on CPU tensors through Triton's interpreter (tests).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_logged: set[tuple[str, str]] = set()
+
+
+def disabled() -> bool:
+    """QWEN_TURBO_DISABLE_KERNELS=1 turns every kernel off (read per call, for tests)."""
+    return os.environ.get("QWEN_TURBO_DISABLE_KERNELS", "") not in ("", "0")
+
+
+def unsupported(x: torch.Tensor) -> str | None:
+    """Why the Triton path cannot take `x`, or None when it can."""
+    if disabled():
+        return "disabled by QWEN_TURBO_DISABLE_KERNELS"
+    if not HAS_TRITON:
+        return UNAVAILABLE
+    if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")):
+        return f"tensors on {x.device.type} are not supported"
+    return None
+
+
+def log_fallback_once(op: str, reason: str) -> None:
+    """Log a fallback once per (op, reason); silent while torch.compile traces."""
+    if (op, reason) in _logged or torch.compiler.is_compiling():
+        return
+    _logged.add((op, reason))
+    log.info("%s: using the PyTorch reference: %s", op, reason)

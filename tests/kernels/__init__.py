@@ -1,0 +1,1 @@
+"""Kernel tests: Triton through its interpreter on CPU, compiled on a GPU."""
