@@ -3,9 +3,10 @@
 from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
+from .vae_patches import FusedNormPatch, TextureUpsample
 from .vae_tiling import VAEDecodeTiled
 
-NODES: list[type[io.ComfyNode]] = [VAEDecodeTiled]
+NODES: list[type[io.ComfyNode]] = [VAEDecodeTiled, FusedNormPatch, TextureUpsample]
 
 
 class QwenTurboExtension(ComfyExtension):

@@ -30,14 +30,15 @@ def decode(vae, latent: torch.Tensor, tile_size: int = 0, budget_gb: float = 0.0
     vae.throw_exception_if_invalid()
     if getattr(vae, "latent_dim", 2) == 3 and latent.ndim == 4:
         latent = latent.unsqueeze(2)
+    budget = int(budget_gb * GiB)
+    # load first: the op list must hold the modules of this VAE's (possibly patched) tree
+    mm.load_models_gpu([vae.patcher], memory_required=budget, force_full_load=vae.disable_offload)
     try:
         ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
     except NotImplementedError as e:
         _warn_once(f"VAE Tiling: {e} is not supported; using ComfyUI's VAE decode instead")
         return vae.decode(latent)
 
-    budget = int(budget_gb * GiB)
-    mm.load_models_gpu([vae.patcher], memory_required=budget, force_full_load=vae.disable_offload)
     device = vae.device
     budget = budget or _auto_budget(device)
     x = latent.to(device=device, dtype=vae.vae_dtype)

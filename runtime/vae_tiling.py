@@ -105,10 +105,15 @@ def _wan_ops(vae) -> list:
     return ops
 
 
+def _group_norm(m) -> torch.nn.GroupNorm:
+    """The GroupNorm itself, also when a fused replacement wraps it as `.norm`."""
+    return m if isinstance(m, torch.nn.GroupNorm) else m.norm
+
+
 def _resnet_ops(block) -> list:
     """AutoencoderKL ResnetBlock: two GroupNorm boundaries, the skip carried in the state."""
     c_in, c_out = block.in_channels, block.out_channels
-    st1, st2 = Stats(block.norm1, 0), Stats(block.norm2, 1)
+    st1, st2 = Stats(_group_norm(block.norm1), 0), Stats(_group_norm(block.norm2), 1)
     shortcut = None
     if c_in != c_out:
         shortcut = block.conv_shortcut if block.use_conv_shortcut else block.nin_shortcut
@@ -151,7 +156,7 @@ def _autoencoder_kl_ops(vae) -> list:
         if i_level != 0:
             r = 0.5 if up.upsample.with_conv else 0.0
             ops.append(Local(_call(up.upsample), c, 3 * c, scale=2, radius=r))
-    norm_out = Stats(dec.norm_out, 0)
+    norm_out = Stats(_group_norm(dec.norm_out), 0)
     tanh = dec.tanh_out
 
     def head(x):

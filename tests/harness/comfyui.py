@@ -33,6 +33,17 @@ def find_comfyui() -> Path | None:
     return home if _is_comfyui(home) else None
 
 
+def _error_text(entry: dict) -> str:
+    for kind, data in entry["status"].get("messages", []):
+        if kind == "execution_error":
+            trace = "".join(data.get("traceback", []))[-3000:]
+            return (
+                f"node {data.get('node_id')} ({data.get('node_type')}): "
+                f"{data.get('exception_type')}: {data.get('exception_message')}\n{trace}"
+            )
+    return json.dumps(entry["status"])[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,8 +127,7 @@ class ComfyServer:
             if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
                 entry = hist[pid]
                 if entry["status"]["status_str"] != "success":
-                    msgs = json.dumps(entry["status"].get("messages"), indent=1)[-4000:]
-                    raise RuntimeError(f"prompt failed:\n{msgs}")
+                    raise RuntimeError(f"prompt failed:\n{_error_text(entry)}")
                 return entry
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ComfyUI died:\n{self.log_text()[-4000:]}")

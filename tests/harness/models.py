@@ -49,17 +49,20 @@ def qwen_vae_module():
         )
 
 
-def sd_vae_module():
-    """The SD1.5/SDXL AutoencoderKL at full width, as ComfyUI builds it from such a file."""
+def sd_vae_module(z_channels: int = 4):
+    """The SD1.5/SDXL AutoencoderKL at full width, as ComfyUI builds it from such a file.
+
+    z_channels=16 gives the Flux/SD3 decoder width (with a 1x1 post-quant conv Flux lacks).
+    """
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
     ddconfig = {
-        "double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3,
-        "ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [],
-        "dropout": 0.0,
+        "double_z": True, "z_channels": z_channels, "resolution": 256, "in_channels": 3,
+        "out_ch": 3, "ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+        "attn_resolutions": [], "dropout": 0.0,
     }  # fmt: skip
     with torch.device("meta"):
-        return AutoencoderKL(ddconfig=ddconfig, embed_dim=4)
+        return AutoencoderKL(ddconfig=ddconfig, embed_dim=z_channels)
 
 
 def qwen_dit_module(num_layers: int = 1):

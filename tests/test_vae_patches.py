@@ -1,0 +1,113 @@
+"""Fused GroupNorm Patch and Texture Upsample on real ComfyUI VAEs, alone and composed."""
+
+import comfy.model_management as mm
+import pytest
+import torch
+from torch import nn
+
+import nodes
+from qwen_turbo.kernels.channel_rms_norm_silu import ChannelRMSNormSiLU
+from qwen_turbo.kernels.group_norm_silu import GroupNormSiLU
+from qwen_turbo.kernels.upsample_conv3x3 import UpsampleConv3x3
+from qwen_turbo.nodes import vae_patches as node
+from qwen_turbo.nodes.vae_tiling import VAEDecodeTiled
+from qwen_turbo.runtime import vae_patches
+from tests.harness import models
+
+TOL = 2 / 255
+
+
+@pytest.fixture(scope="module")
+def qwen_vae():
+    return models.load_vae(models.qwen_vae_file())
+
+
+@pytest.fixture(scope="module")
+def sd_vae():
+    return models.sd_vae()
+
+
+def _decode(vae, latent):
+    return nodes.VAEDecode().decode(vae, {"samples": latent})[0]
+
+
+def _both(vae):
+    vae = node.FusedNormPatch.execute(vae).result[0]
+    return node.TextureUpsample.execute(vae).result[0]
+
+
+def test_qwen_vae_patch_sites(qwen_vae):
+    norms, skipped = vae_patches.norm_patches(qwen_vae.first_stage_model)
+    assert not skipped
+    rms = [m for m in norms.values() if isinstance(m, ChannelRMSNormSiLU)]
+    silus = [p for p, m in norms.items() if isinstance(m, nn.Identity)]
+    assert len(rms) == sum(
+        type(m).__name__ == "RMS_norm" for m in qwen_vae.first_stage_model.modules()
+    )
+    assert len(silus) == sum(m.silu for m in rms) > 0
+    assert norms["decoder.middle.0.residual.0"].silu
+    assert not norms["decoder.middle.1.norm"].silu  # attention norm: no SiLU after it
+    ups, skipped = vae_patches.upsample_patches(qwen_vae.first_stage_model)
+    assert not skipped and sorted(ups) == [
+        "decoder.upsamples.11.resample", "decoder.upsamples.3.resample",
+        "decoder.upsamples.7.resample",
+    ]  # fmt: skip
+
+
+def test_sd_vae_patch_sites(sd_vae):
+    norms, _ = vae_patches.norm_patches(sd_vae.first_stage_model)
+    gn = [m for m in norms.values() if isinstance(m, GroupNormSiLU)]
+    assert len(gn) == sum(isinstance(m, nn.GroupNorm) for m in sd_vae.first_stage_model.modules())
+    assert norms["decoder.mid.block_1.norm1"].silu and not norms["decoder.norm_out"].silu
+    assert isinstance(norms["decoder.mid.block_1.swish"], nn.Identity)
+    ups, _ = vae_patches.upsample_patches(sd_vae.first_stage_model)
+    assert len(ups) == 3 and all(isinstance(m, UpsampleConv3x3) for m in ups.values())
+
+
+def test_unhandled_module_is_left_alone(caplog):
+    from comfy.ldm.wan.vae import RMS_norm
+
+    model = nn.Sequential(RMS_norm(8, channel_first=False), nn.SiLU())
+    patches, skipped = vae_patches.norm_patches(model)
+    assert patches == {} and skipped[0][0] == "0"
+
+
+@pytest.mark.parametrize("which", ["norm", "upsample", "both"])
+def test_patched_qwen_decode_matches(qwen_vae, which):
+    z = torch.randn((1, 16, 1, 9, 13), generator=torch.Generator().manual_seed(0))
+    ref = _decode(qwen_vae, z)
+    patched = {
+        "norm": lambda v: node.FusedNormPatch.execute(v).result[0],
+        "upsample": lambda v: node.TextureUpsample.execute(v).result[0],
+        "both": _both,
+    }[which](qwen_vae)
+    out = _decode(patched, z)
+    assert ref.std() > 0.05 and (out - ref).abs().max() <= TOL
+    # composed with VAE Tiling, tiles of 32 px
+    tiled = VAEDecodeTiled.execute({"samples": z}, patched, 32, 0.0).result[0]
+    assert (tiled - ref).abs().max() <= TOL
+
+
+def test_patched_sd_decode_and_encode_match(sd_vae):
+    z = torch.randn((1, 4, 6, 7), generator=torch.Generator().manual_seed(1)) * 3
+    patched = _both(sd_vae)
+    ref = _decode(sd_vae, z)
+    assert (_decode(patched, z) - ref).abs().max() <= TOL
+    assert (VAEDecodeTiled.execute({"samples": z}, patched, 24).result[0] - ref).abs().max() <= TOL
+    img = ref[:, :40, :48]
+    enc_ref = nodes.VAEEncode().encode(sd_vae, img)[0]["samples"]
+    enc = nodes.VAEEncode().encode(patched, img)[0]["samples"]
+    torch.testing.assert_close(enc, enc_ref, rtol=1e-3, atol=1e-3)
+
+
+def test_input_vae_is_never_changed(qwen_vae):
+    patched = _both(qwen_vae)
+    assert patched.patcher is not qwen_vae.patcher and not qwen_vae.patcher.object_patches
+    mm.load_models_gpu([patched.patcher])
+    live = qwen_vae.first_stage_model.decoder.middle[0].residual[0]
+    assert isinstance(live, ChannelRMSNormSiLU)  # the clone's patches are applied now
+    mm.load_models_gpu([qwen_vae.patcher])
+    assert type(qwen_vae.first_stage_model.decoder.middle[0].residual[0]).__name__ == "RMS_norm"
+    assert type(qwen_vae.first_stage_model.decoder.upsamples[3].resample) is nn.Sequential
+    # patching again while nothing is applied finds the same sites
+    assert len(_both(qwen_vae).patcher.object_patches) == len(patched.patcher.object_patches)
