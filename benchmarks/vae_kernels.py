@@ -23,7 +23,13 @@ def main():
     p.add_argument("--flux-size", type=int, default=2048)
     a = p.parse_args()
     setup_comfy()
+    import torch
 
+    with torch.inference_mode():  # as ComfyUI's executor runs nodes
+        run(a)
+
+
+def run(a):
     import comfy.model_management as mm
     import comfy.sd
     import torch
@@ -39,6 +45,16 @@ def main():
     from tests.harness import models
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    import logging
+
+    class CountFallbacks(logging.Handler):  # ComfyUI's silent switch to seamed tiling on OOM
+        hits = 0
+
+        def emit(self, record):
+            if "retrying with tiled" in record.getMessage():
+                CountFallbacks.hits += 1
+
+    logging.getLogger().addHandler(CountFallbacks())
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -59,10 +75,15 @@ def main():
         return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
     def compare(name, stock, ours, target=None, floor_bytes=None, repeats=a.repeats):
-        ref, out = stock().float(), ours().float()
+        CountFallbacks.hits = 0
+        ref = stock().float()
+        torch.cuda.empty_cache()
+        out = ours().float()
         err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
         del ref, out
+        torch.cuda.empty_cache()
         t_stock, m_stock = timed(stock, repeats)
+        torch.cuda.empty_cache()
         t_ours, m_ours = timed(ours, repeats)
         row = {"case": name, "stock_ms": round(t_stock, 3), "ours_ms": round(t_ours, 3),
                "speedup": round(t_stock / t_ours, 2), "stock_peak_gib": round(m_stock, 2),
@@ -75,6 +96,8 @@ def main():
             del x
         if target:
             row["target"] = target
+        if CountFallbacks.hits:
+            row["comfy_oom_tiled_fallbacks"] = CountFallbacks.hits
         rows.append(row)
         torch.cuda.empty_cache()
 

@@ -24,7 +24,7 @@ _COMBINE = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [[1.0, 1.0, 0.0], [
 def phase_weights(weight: torch.Tensor) -> torch.Tensor:
     """(C_out, C_in, 3, 3) -> (4*C_out, C_in, 2, 2), phase-major: index (2a+b)*C_out + o.
 
-    Sums of at most four taps are formed in float32 (or wider) and rounded once to the weight's dtype.
+    Sums of at most four taps are formed in float32 (or wider), then rounded once.
     """
     acc = torch.promote_types(weight.dtype, torch.float32)
     r = _COMBINE.to(weight.device, acc)

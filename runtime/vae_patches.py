@@ -109,18 +109,18 @@ def upsample_patches(model: nn.Module, backups: dict | None = None) -> Patches:
     return patches, skipped
 
 
-class SingleFrameCausalConv(nn.Module):
-    """A Wan `CausalConv3d` that runs a single frame with no cache as a 2D convolution.
+class SingleFrameCausalConv:
+    """A `forward` for a Wan `CausalConv3d` that runs one uncached frame as a 2D convolution.
 
     With one frame and zero causal padding in front, only the last temporal slice of the
     kernel touches data: conv2d with it gives the same result without the zero-padded copy
-    of the input or the 3x wasted multiply-adds. Other inputs go to the original module.
+    of the input or the 3x wasted multiply-adds. Other inputs take the original forward.
+    It patches the module's `forward` attribute rather than the module, because the Wan code
+    dispatches on `isinstance(layer, CausalConv3d)`.
     """
 
     def __init__(self, conv: nn.Module):
-        super().__init__()
         self.conv = conv
-        self.out_channels = conv.out_channels
         pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
         kt = conv.kernel_size[0]
         self.ok = (
@@ -129,23 +129,24 @@ class SingleFrameCausalConv(nn.Module):
         )  # fmt: skip
         self.padding = (ph0, pw0)
 
-    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+    def __call__(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        conv = self.conv
         if cache_list is not None:  # as CausalConv3d: take and clear the cache slot
             cache_x = cache_list[cache_idx]
             cache_list[cache_idx] = None
         if cache_x is not None or x.shape[2] != 1 or not self.ok:
-            return self.conv(x, cache_x=cache_x)
-        w = self.conv.weight[:, :, -1].to(x)
-        b = None if self.conv.bias is None else self.conv.bias.to(x)
-        y = F.conv2d(x[:, :, 0], w, b, self.conv.stride[1:], self.padding)
-        return y.unsqueeze(2)
+            return type(conv).forward(conv, x, cache_x=cache_x)
+        w = conv.weight[:, :, -1].to(x)
+        b = None if conv.bias is None else conv.bias.to(x)
+        return F.conv2d(x[:, :, 0], w, b, conv.stride[1:], self.padding).unsqueeze(2)
 
 
 def causal_conv_patches(model: nn.Module, backups: dict | None = None) -> Patches:
-    """Every Wan `CausalConv3d`, to run single frames as 2D convolutions."""
+    """Every Wan `CausalConv3d`'s forward, to run single frames as 2D convolutions."""
+    backups = backups or {}
     patches = {
-        path: SingleFrameCausalConv(m)
-        for path, m in _walk(model, backups or {})
+        f"{path}.forward": SingleFrameCausalConv(m)
+        for path, m in _walk(model, backups)
         if type(m).__name__ == "CausalConv3d" and hasattr(m, "_padding")
     }
     return patches, []

@@ -82,18 +82,19 @@ def test_patched_qwen_decode_matches(qwen_vae, which):
         "both": _both,
     }[which](qwen_vae)
     out = _decode(patched, z)
-    assert ref.std() > 0.05 and (out - ref).abs().max() <= TOL
+    assert out.shape == ref.shape and ref.std() > 0.05
+    assert (out - ref).abs().max() <= TOL
     # composed with VAE Tiling, tiles of 32 px
     tiled = VAEDecodeTiled.execute({"samples": z}, patched, 32, 0.0).result[0]
-    assert (tiled - ref).abs().max() <= TOL
+    assert tiled.shape == ref.shape and (tiled - ref).abs().max() <= TOL
 
 
 def test_patched_sd_decode_and_encode_match(sd_vae):
     z = torch.randn((1, 4, 6, 7), generator=torch.Generator().manual_seed(1)) * 3
     patched = _both(sd_vae)
     ref = _decode(sd_vae, z)
-    assert (_decode(patched, z) - ref).abs().max() <= TOL
-    assert (VAEDecodeTiled.execute({"samples": z}, patched, 24).result[0] - ref).abs().max() <= TOL
+    for out in (_decode(patched, z), VAEDecodeTiled.execute({"samples": z}, patched, 24).result[0]):
+        assert out.shape == ref.shape and (out - ref).abs().max() <= TOL
     img = ref[:, :40, :48]
     enc_ref = nodes.VAEEncode().encode(sd_vae, img)[0]["samples"]
     enc = nodes.VAEEncode().encode(patched, img)[0]["samples"]
@@ -111,3 +112,38 @@ def test_input_vae_is_never_changed(qwen_vae):
     assert type(qwen_vae.first_stage_model.decoder.upsamples[3].resample) is nn.Sequential
     # patching again while nothing is applied finds the same sites
     assert len(_both(qwen_vae).patcher.object_patches) == len(patched.patcher.object_patches)
+
+
+def test_single_frame_causal_conv_equals_conv3d():
+    from comfy.ldm.wan.vae import CausalConv3d
+
+    g = torch.Generator().manual_seed(7)
+    for k, pad in [(3, 1), (1, 0), ((3, 1, 1), (1, 0, 0))]:
+        conv = CausalConv3d(6, 5, k, padding=pad)
+        with torch.no_grad():
+            for p in conv.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        fwd = vae_patches.SingleFrameCausalConv(conv)
+        x = torch.randn(2, 6, 1, 9, 11, generator=g)
+        assert fwd.ok
+        torch.testing.assert_close(fwd(x), conv(x), rtol=1e-5, atol=1e-5)
+        # two frames, or a cached frame, take the original path
+        x2 = torch.randn(1, 6, 2, 4, 5, generator=g)
+        torch.testing.assert_close(fwd(x2), conv(x2))
+        cache = [torch.randn(1, 6, 1, 4, 5, generator=g)]
+        expected = conv(x2[:, :, :1], cache_x=cache[0])
+        torch.testing.assert_close(fwd(x2[:, :, :1], cache_list=cache, cache_idx=0), expected)
+        assert cache == [None]
+
+
+def test_causal_convs_keep_their_class_when_patched(qwen_vae):
+    from comfy.ldm.wan.vae import CausalConv3d
+
+    patched = node.FusedNormPatch.execute(qwen_vae).result[0]
+    mm.load_models_gpu([patched.patcher])
+    conv1 = qwen_vae.first_stage_model.decoder.conv1
+    assert isinstance(conv1, CausalConv3d)  # the Wan decoder dispatches on this
+    assert isinstance(conv1.forward, vae_patches.SingleFrameCausalConv)
+    mm.load_models_gpu([qwen_vae.patcher])
+    assert not isinstance(qwen_vae.first_stage_model.decoder.conv1.forward,
+                          vae_patches.SingleFrameCausalConv)  # fmt: skip
