@@ -48,7 +48,13 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     setup_comfy()
+    import torch
 
+    with torch.inference_mode():  # as ComfyUI's executor runs nodes
+        run(a)
+
+
+def run(a):
     import comfy.model_management as mm
     import torch
 
@@ -96,10 +102,14 @@ def main():
     def stock_tiled():  # the node's defaults: 512-px tiles, 64-px overlap
         return nodes.VAEDecodeTiled().decode(vae, {"samples": latent}, 512, 64, 64, 8)[0]
 
+    from qwen_turbo.nodes.vae_patches import FusedNormPatch, TextureUpsample
+
     cases = []
+    patched = TextureUpsample.execute(FusedNormPatch.execute(vae).result[0]).result[0]
     for b in a.budgets:
         label = f"VAE Tiling, budget {b:g} GiB" if b else "VAE Tiling, auto budget"
-        cases.append((label, lambda b=b: decode(vae, latent, 0, b)))
+        cases.append((label, lambda b=b, v=vae: decode(v, latent, 0, b)))
+        cases.append((label + " + patches", lambda b=b, v=patched: decode(v, latent, 0, b)))
     cases.append(("ComfyUI VAEDecodeTiled 512/64", stock_tiled))
     if a.stock_untiled:
         cases.append(("ComfyUI VAEDecode", stock_decode))
@@ -117,7 +127,7 @@ def main():
         del out
 
     # fp32 reference: the same weights in fp32, decoded by VAE Tiling (exact in fp32)
-    del vae
+    del vae, patched
     mm.unload_all_models()
     mm.soft_empty_cache()
     vae = comfy.sd.VAE(sd=weights, dtype=torch.float32)
@@ -131,13 +141,13 @@ def main():
                 r["max_abs_vs_stock"] = round((o - stock).abs().max().item(), 5)
 
     print(f"GPU: {dev_name}  torch {torch.__version__}  arch {a.arch}  {a.size}x{a.size}  {dtype}")
-    print(f"{'case':32} {'ms':>8} {'peak GiB':>9} {'|d| vs stock':>12} {'|d| vs fp32':>12}")
+    print(f"{'case':42} {'ms':>8} {'peak GiB':>9} {'|d| vs stock':>12} {'|d| vs fp32':>12}")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:32} {r['error']}")
+            print(f"{r['case']:42} {r['error']}")
             continue
         vs_stock = r.get("max_abs_vs_stock", float("nan"))
-        print(f"{r['case']:32} {r['ms']:8.1f} {r['peak_gib']:9.2f} {vs_stock:12.5f} "
+        print(f"{r['case']:42} {r['ms']:8.1f} {r['peak_gib']:9.2f} {vs_stock:12.5f} "
               f"{r['max_abs_vs_fp32']:12.5f}")  # fmt: skip
     meta = {"gpu": dev_name, "torch": torch.__version__, "arch": a.arch, "size": a.size}
     print(json.dumps({**meta, "dtype": str(dtype), "rows": rows}))

@@ -137,40 +137,51 @@ def run(a):
         )  # fmt: skip
         del x
 
-    # whole decodes: stock vs both patches, and VAE Tiling without vs with them
-    def vae_of(module):
-        return comfy.sd.VAE(sd=models.random_state_dict(module, 0, bf16), dtype=bf16)
-
-    def whole(name, vae, latent, target, budget=None):
+    # whole decodes: stock vs both patches, and VAE Tiling without vs with them. The fp32
+    # reference uses the same bf16-rounded weights in fp32, through VAE Tiling (exact).
+    def whole(name, module, latent, target, budget=None):
+        weights = models.random_state_dict(module, 0, bf16)
+        vae = comfy.sd.VAE(sd=weights, dtype=bf16)
         patched = TextureUpsample.execute(FusedNormPatch.execute(vae).result[0]).result[0]
-        if budget is None:
 
-            def run(v):
+        def run(v):
+            if budget is None:
                 return lambda: nodes.VAEDecode().decode(v, {"samples": latent})[0]
-        else:
-
-            def run(v):
-                return lambda: tiled_decode(v, latent, 0, budget)
+            return lambda: tiled_decode(v, latent, 0, budget)
 
         compare(name, run(vae), run(patched), target, repeats=3)
+        stock, ours = run(vae)().float(), run(patched)().float()
+        del vae, patched
         mm.unload_all_models()
+        mm.soft_empty_cache()
+        vae32 = comfy.sd.VAE(sd={k: v.float() for k, v in weights.items()}, dtype=torch.float32)
+        ref = tiled_decode(vae32, latent).float().reshape(stock.shape)
+        rows[-1].update(
+            max_abs_vs_stock=round((ours - stock).abs().max().item(), 5),
+            stock_max_abs_vs_fp32=round((stock - ref).abs().max().item(), 5),
+            ours_max_abs_vs_fp32=round((ours - ref).abs().max().item(), 5),
+        )
+        del vae32
+        mm.unload_all_models()
+        mm.soft_empty_cache()
 
     h = a.decode_size // 8
-    qwen = vae_of(models.qwen_vae_module())
     z = torch.randn((1, 16, 1, h, h), generator=torch.Generator().manual_seed(0))
+    qwen = models.qwen_vae_module()
     whole(f"Qwen VAE decode {a.decode_size}^2, VAEDecode", qwen, z, ">=1.4x, <=2/255")
     whole(f"Qwen VAE decode {a.decode_size}^2, VAE Tiling 3.5 GiB", qwen, z, "faster", 3.5)
-    del qwen
     h = a.flux_size // 8
-    flux = vae_of(models.sd_vae_module(z_channels=16))
     z = torch.randn((1, 16, h, h), generator=torch.Generator().manual_seed(0))
-    whole(f"Flux-arch VAE decode {a.flux_size}^2, VAEDecode", flux, z, ">=1.3x")
+    whole(f"Flux-arch VAE decode {a.flux_size}^2, VAEDecode", models.sd_vae_module(16), z, ">=1.3x")
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16")
     cols = ["stock_ms", "ours_ms", "speedup", "stock_peak_gib", "ours_peak_gib", "max_rel_err"]
     print(f"{'case':48}" + "".join(f"{c:>15}" for c in cols) + "  target")
     for r in rows:
         extra = f"  floor {r['floor_ms']} ms ({r['x_floor']}x)" if "floor_ms" in r else ""
+        if "ours_max_abs_vs_fp32" in r:
+            extra = (f"  |d| vs stock {r['max_abs_vs_stock']}, vs fp32: stock "
+                     f"{r['stock_max_abs_vs_fp32']}, ours {r['ours_max_abs_vs_fp32']}")  # fmt: skip
         print(f"{r['case']:48}" + "".join(f"{r[c]:>15}" for c in cols) + "  "
               + r.get("target", "") + extra)  # fmt: skip
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
