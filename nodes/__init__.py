@@ -3,10 +3,16 @@
 from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
+from .graph_sampler import CUDAGraphSampler
 from .vae_patches import FusedNormPatch, TextureUpsample
 from .vae_tiling import VAEDecodeTiled
 
-NODES: list[type[io.ComfyNode]] = [VAEDecodeTiled, FusedNormPatch, TextureUpsample]
+NODES: list[type[io.ComfyNode]] = [
+    CUDAGraphSampler,
+    FusedNormPatch,
+    TextureUpsample,
+    VAEDecodeTiled,
+]
 
 
 class QwenTurboExtension(ComfyExtension):

@@ -61,3 +61,16 @@ def test_vae_workflow_matches_stock_decode(comfy_server):
     for node_id in ("11", "15"):
         (path,) = comfy_server.images(entry, node_id)
         assert np.abs(_pixels(path) - ref).max() <= 2  # 2/255
+
+
+def test_cuda_graph_sampler_workflow_equals_ksampler(comfy_server):
+    """Same inputs through KSampler and CUDA Graph Sampler (cond and uncond of different
+    lengths, dpmpp_2m/karras): on CPU the two must give the same picture."""
+    ui = json.loads((WORKFLOWS / "tiny_qwen_sampler.json").read_text())
+    info = comfy_server.get("/object_info")["QwenTurboCUDAGraphSampler"]
+    assert info["display_name"] == "CUDA Graph Sampler"
+    entry = comfy_server.run(ui_to_api(ui, comfy_server.get("/object_info")))
+    (ref,) = comfy_server.images(entry, "11")
+    (out,) = comfy_server.images(entry, "12")
+    a = _pixels(ref)
+    assert a.std() > 5 and np.array_equal(a, _pixels(out))

@@ -1,0 +1,94 @@
+"""CUDA Graph Sampler: KSampler whose model forwards replay captured CUDA graphs."""
+
+import comfy.model_management as mm
+import comfy.patcher_extension as pe
+import comfy.samplers
+from comfy_api.latest import io
+
+import nodes as comfy_nodes
+
+from ..runtime import cuda_graphs
+
+KEY = "qwen_turbo_cuda_graphs"
+CAPTURE_MODES = ["model forward", "off"]
+
+
+def _free_on_unload(patcher, unpatch_all):
+    if unpatch_all:  # the weights leave the GPU: the graphs point at them
+        cuda_graphs.free_graphs(patcher.model.diffusion_model)
+
+
+def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs):
+    """A clone of `model` whose diffusion model forward goes through a GraphRunner."""
+    model = model.clone()
+    base = model.model
+    runner = cuda_graphs.GraphRunner(lambda: not getattr(base, "model_lowvram", False), backend)
+    model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, runner)
+    model.add_callback_with_key(pe.CallbacksMP.ON_DETACH, KEY, _free_on_unload)
+    return model
+
+
+class CUDAGraphSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="QwenTurboCUDAGraphSampler",
+            display_name="CUDA Graph Sampler",
+            category="QwenTurbo",
+            description=(
+                "KSampler, with each model forward captured once per shape as a CUDA graph "
+                "and replayed on every step: the same samplers, schedulers and result, with "
+                "less CPU launch overhead. Helps most at few steps and small sizes."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The model used for denoising the input latent."),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                    tooltip="The random seed used for creating the noise.",
+                ),
+                io.Int.Input(
+                    "steps", default=20, min=1, max=10000,
+                    tooltip="The number of steps used in the denoising process.",
+                ),
+                io.Float.Input(
+                    "cfg", default=8.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                    tooltip="Classifier-free guidance scale, as in KSampler.",
+                ),
+                io.Combo.Input(
+                    "sampler_name", options=comfy.samplers.KSampler.SAMPLERS,
+                    tooltip="The sampling algorithm, as in KSampler.",
+                ),
+                io.Combo.Input(
+                    "scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
+                    tooltip="How the noise is removed over the steps, as in KSampler.",
+                ),
+                io.Conditioning.Input("positive", tooltip="What to include in the image."),
+                io.Conditioning.Input("negative", tooltip="What to exclude from the image."),
+                io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
+                io.Float.Input(
+                    "denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                    tooltip="The amount of denoising applied; below 1 for img2img and hires "
+                    "second passes.",
+                ),
+                io.Combo.Input(
+                    "capture", options=CAPTURE_MODES, default=CAPTURE_MODES[0], optional=True,
+                    tooltip="model forward: capture each forward shape once (one extra forward "
+                    "and some VRAM for the graph), then replay it every step. off: exactly "
+                    "KSampler. On CPU, or with weights offloaded, it runs as KSampler.",
+                ),
+            ],
+            outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+        )  # fmt: skip
+
+    @classmethod
+    def execute(
+        cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+        latent_image, denoise=1.0, capture=CAPTURE_MODES[0],
+    ) -> io.NodeOutput:  # fmt: skip
+        if capture != "off" and mm.get_torch_device().type == "cuda":
+            model = with_cuda_graphs(model)
+        latent = comfy_nodes.common_ksampler(
+            model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+            denoise=denoise,
+        )[0]  # fmt: skip
+        return io.NodeOutput(latent)
