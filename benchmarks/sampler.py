@@ -1,0 +1,160 @@
+"""KSampler against the CUDA Graph Sampler on Qwen-Image with random full-size weights.
+
+Both run in one process on the same MODEL, seed and conditioning (256 text tokens). The first
+graph-sampler run includes the capture; "steady" is the median of --repeats later runs. The
+GPU-busy share is the union of kernel intervals over one run's wall time (torch.profiler).
+Prints the GPU, torch version, a table, and JSON on the last line.
+
+    COMFYUI_PATH=~/comfy/ComfyUI python benchmarks/sampler.py --sizes 512 1024 --steps 4
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vae_decode import setup_comfy  # noqa: E402
+
+
+def build_model(layers: int):
+    """A random Qwen-Image DiT built on the GPU, loaded through ComfyUI's detection."""
+    import comfy.ops
+    import comfy.sd
+    import torch
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        m = QwenImageTransformer2DModel(
+            num_layers=layers, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init
+        )
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0, p[0].numel() ** -0.5, generator=g)
+            elif name.endswith("weight"):
+                p.normal_(1, 0.1, generator=g)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    sd = {k: v.to("cpu") for k, v in m.state_dict().items()}
+    del m
+    torch.cuda.empty_cache()
+    model = comfy.sd.load_diffusion_model_state_dict(sd)
+    return ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+
+
+def gpu_busy(fn) -> float:
+    """Share of fn's wall time during which at least one kernel ran."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / wall_us
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 1328])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cfg", type=float, default=1.0)
+    p.add_argument("--layers", type=int, default=60, help="60 = the real model")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--busy-size", type=int, default=1024)
+    a = p.parse_args()
+    setup_comfy()
+    import torch
+
+    with torch.inference_mode():
+        run(a)
+
+
+def run(a):
+    import comfy.model_management as mm
+    import torch
+
+    from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
+    from qwen_turbo.runtime import cuda_graphs
+
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    model = build_model(a.layers)
+    g = torch.Generator().manual_seed(1)
+    pos = [[torch.randn((1, 256, 3584), generator=g), {}]]
+    neg = [[torch.randn((1, 256, 3584), generator=g), {}]]
+    rows = []
+
+    def sampler(capture, latent):
+        def go():
+            out = CUDAGraphSampler.execute(
+                model, 0, a.steps, a.cfg, "euler", "simple", pos, neg, latent, 1.0, capture
+            )
+            return out.result[0]["samples"]
+
+        return go
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, (time.perf_counter() - t) * 1e3
+
+    for size in a.sizes:
+        latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
+        stock, ours = sampler("off", latent), sampler("model forward", latent)
+        ref, _ = timed(stock)  # warm-up: loads the model, cuDNN/cuBLAS heuristics
+        out, first = timed(ours)  # includes the capture
+        t_stock = statistics.median(timed(stock)[1] for _ in range(a.repeats))
+        t_ours = statistics.median(timed(ours)[1] for _ in range(a.repeats))
+        out = ours()
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+        row = {"size": size, "ksampler_ms": round(t_stock, 1), "graph_first_ms": round(first, 1),
+               "graph_ms": round(t_ours, 1), "speedup": round(t_stock / t_ours, 3),
+               "rel_l2": float(f"{err:.3g}"), "captured": stats.captured,
+               "replayed": stats.replayed, "eager": stats.eager,
+               "eager_reasons": dict(stats.reasons)}  # fmt: skip
+        if size == a.busy_size:
+            row["ksampler_gpu_busy"] = round(gpu_busy(stock), 4)
+            row["graph_gpu_busy"] = round(gpu_busy(ours), 4)
+        rows.append(row)
+        cuda_graphs.free_graphs(model.model.diffusion_model)
+        mm.soft_empty_cache()
+
+    alloc = torch.cuda.get_allocator_backend()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  allocator {alloc}  "
+          f"Qwen-Image {a.layers} layers, bf16, {a.steps} steps, cfg {a.cfg}")  # fmt: skip
+    print(f"{'size':>6} {'KSampler ms':>12} {'graph 1st ms':>13} {'graph ms':>9} {'speedup':>8} "
+          f"{'rel L2':>9} {'busy K/G':>14}")  # fmt: skip
+    for r in rows:
+        busy = f"{r.get('ksampler_gpu_busy', '')}/{r.get('graph_gpu_busy', '')}"
+        print(f"{r['size']:>6} {r['ksampler_ms']:>12} {r['graph_first_ms']:>13} {r['graph_ms']:>9}"
+              f" {r['speedup']:>8} {r['rel_l2']:>9} {busy:>14}")  # fmt: skip
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "allocator": alloc}
+    meta.update(
+        layers=a.layers, steps=a.steps, cfg=a.cfg, env=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    )
+    print(json.dumps({**meta, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
