@@ -19,20 +19,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vae_decode import setup_comfy  # noqa: E402
 
+LUMINA2 = dict(
+    patch_size=2,
+    in_channels=16,
+    dim=2304,
+    cap_feat_dim=2304,
+    n_heads=24,
+    n_kv_heads=8,
+    qk_norm=True,
+    axes_dims=[32, 32, 32],
+    axes_lens=[300, 512, 512],
+)
 
-def build_model(layers: int):
-    """A random Qwen-Image DiT built on the GPU, loaded through ComfyUI's detection."""
+
+def build_model(arch: str, layers: int):
+    """A random DiT built on the GPU, then loaded through ComfyUI's detection.
+
+    qwen: Qwen-Image (60 layers in the real model). lumina2: Lumina-2 / Next-DiT, the
+    family of NewBie (26 layers).
+    """
     import comfy.ops
     import comfy.sd
     import torch
-    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    ops = comfy.ops.disable_weight_init
     with torch.device("cuda"):
-        m = QwenImageTransformer2DModel(
-            num_layers=layers, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init
-        )
+        if arch == "qwen":
+            from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+            m = QwenImageTransformer2DModel(num_layers=layers, dtype=torch.bfloat16, operations=ops)
+        else:
+            from comfy.ldm.lumina.model import NextDiT
+
+            m = NextDiT(**LUMINA2, n_layers=layers, dtype=torch.bfloat16, operations=ops)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.ndim > 1:
@@ -46,6 +67,18 @@ def build_model(layers: int):
     torch.cuda.empty_cache()
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     return ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+
+
+def random_lora(model, blocks: int = 4):
+    """A clone carrying small random weight deltas, applied as ComfyUI applies LoRA diffs."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    sd = model.model_state_dict()
+    keys = [k for k in sd if ".img_mlp." in k and k.endswith("weight")][: 2 * blocks]
+    lora = model.clone()
+    lora.add_patches({k: (torch.randn(sd[k].shape, generator=g) * 1e-3,) for k in keys})
+    return lora
 
 
 def gpu_busy(fn) -> float:
@@ -80,6 +113,14 @@ def main():
     p.add_argument("--layers", type=int, default=60, help="60 = the real model")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--busy-size", type=int, default=1024)
+    p.add_argument("--arch", choices=["qwen", "lumina2"], default="qwen")
+    p.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        help="N back-to-back runs alternating "
+        "512/768 and a LoRA, printing memory after each (instead of the table)",
+    )
     a = p.parse_args()
     setup_comfy()
     import torch
@@ -96,20 +137,40 @@ def run(a):
     from qwen_turbo.runtime import cuda_graphs
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    model = build_model(a.layers)
+    model = build_model(a.arch, a.layers)
+    width = 3584 if a.arch == "qwen" else 2304
     g = torch.Generator().manual_seed(1)
-    pos = [[torch.randn((1, 256, 3584), generator=g), {}]]
-    neg = [[torch.randn((1, 256, 3584), generator=g), {}]]
+    pos = [[torch.randn((1, 256, width), generator=g), {}]]
+    neg = [[torch.randn((1, 256, width), generator=g), {}]]
     rows = []
 
-    def sampler(capture, latent):
+    def sampler(capture, latent, m=model):
         def go():
             out = CUDAGraphSampler.execute(
-                model, 0, a.steps, a.cfg, "euler", "simple", pos, neg, latent, 1.0, capture
+                m, 0, a.steps, a.cfg, "euler", "simple", pos, neg, latent, 1.0, capture
             )
             return out.result[0]["samples"]
 
         return go
+
+    if a.soak:
+        lora = random_lora(model)
+        for i in range(a.soak):
+            size = (512, 768)[i % 2]
+            m = (model, lora)[(i // 2) % 2]
+            sampler("model forward", {"samples": torch.zeros((1, 16, size // 8, size // 8))}, m)()
+            torch.cuda.synchronize()
+            stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+            rows.append({"run": i, "size": size, "lora": m is lora,
+                         "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                         "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3),
+                         "graphs": len(cuda_graphs.cache_for(model.model.diffusion_model).graphs),
+                         "captured": stats.captured, "replayed": stats.replayed,
+                         "eager": stats.eager})  # fmt: skip
+            print(rows[-1])
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                          "arch": a.arch, "layers": a.layers, "soak": rows}))  # fmt: skip
+        return
 
     def timed(fn):
         torch.cuda.synchronize()
@@ -142,7 +203,7 @@ def run(a):
 
     alloc = torch.cuda.get_allocator_backend()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  allocator {alloc}  "
-          f"Qwen-Image {a.layers} layers, bf16, {a.steps} steps, cfg {a.cfg}")  # fmt: skip
+          f"{a.arch} {a.layers} layers, bf16, {a.steps} steps, cfg {a.cfg}")  # fmt: skip
     print(f"{'size':>6} {'KSampler ms':>12} {'graph 1st ms':>13} {'graph ms':>9} {'speedup':>8} "
           f"{'rel L2':>9} {'busy K/G':>14}")  # fmt: skip
     for r in rows:
