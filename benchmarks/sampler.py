@@ -140,8 +140,9 @@ def run(a):
     model = build_model(a.arch, a.layers)
     width = 3584 if a.arch == "qwen" else 2304
     g = torch.Generator().manual_seed(1)
-    pos = [[torch.randn((1, 256, width), generator=g), {}]]
-    neg = [[torch.randn((1, 256, width), generator=g), {}]]
+    extra = {} if a.arch == "qwen" else {"attention_mask": torch.ones((1, 256))}
+    pos = [[torch.randn((1, 256, width), generator=g), dict(extra)]]
+    neg = [[torch.randn((1, 256, width), generator=g), dict(extra)]]
     rows = []
 
     def sampler(capture, latent, m=model):
@@ -157,8 +158,9 @@ def run(a):
         lora = random_lora(model)
         for i in range(a.soak):
             size = (512, 768)[i % 2]
-            m = (model, lora)[(i // 2) % 2]
-            sampler("model forward", {"samples": torch.zeros((1, 16, size // 8, size // 8))}, m)()
+            m = (model, lora)[(i // 2) % 2] if a.soak_lora else model
+            latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
+            sampler(a.soak_capture, latent, m)()
             torch.cuda.synchronize()
             stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
             rows.append({"run": i, "size": size, "lora": m is lora,
@@ -169,7 +171,8 @@ def run(a):
                          "eager": stats.eager})  # fmt: skip
             print(rows[-1])
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                          "arch": a.arch, "layers": a.layers, "soak": rows}))  # fmt: skip
+                          "arch": a.arch, "layers": a.layers, "capture": a.soak_capture,
+                          "lora": a.soak_lora, "soak": rows}))  # fmt: skip
         return
 
     def timed(fn):
