@@ -121,6 +121,8 @@ def main():
         help="N back-to-back runs alternating "
         "512/768 and a LoRA, printing memory after each (instead of the table)",
     )
+    p.add_argument("--soak-capture", choices=["model forward", "off"], default="model forward")
+    p.add_argument("--soak-lora", action=argparse.BooleanOptionalAction, default=True)
     a = p.parse_args()
     setup_comfy()
     import torch
@@ -140,7 +142,7 @@ def run(a):
     model = build_model(a.arch, a.layers)
     width = 3584 if a.arch == "qwen" else 2304
     g = torch.Generator().manual_seed(1)
-    extra = {} if a.arch == "qwen" else {"attention_mask": torch.ones((1, 256))}
+    extra = {} if a.arch == "qwen" else {"attention_mask": torch.ones((1, 256), dtype=torch.long)}
     pos = [[torch.randn((1, 256, width), generator=g), dict(extra)]]
     neg = [[torch.randn((1, 256, width), generator=g), dict(extra)]]
     rows = []
