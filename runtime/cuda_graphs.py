@@ -93,7 +93,13 @@ def free_graphs(model: torch.nn.Module) -> None:
 
 
 class CudaGraphs:
-    """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream."""
+    """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream.
+
+    The side stream is made once per device: cuBLAS keeps a workspace (32 MiB on Hopper) for
+    every stream it has seen, so a new stream per capture would leak one per capture.
+    """
+
+    _side: dict[int, torch.cuda.Stream] = {}
 
     @staticmethod
     def supports(x: torch.Tensor) -> str | None:
@@ -105,7 +111,8 @@ class CudaGraphs:
 
     @staticmethod
     def capture(run: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor, int]:
-        side = torch.cuda.Stream()
+        device = torch.cuda.current_device()
+        side = CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()  # warm-up: lazy init, cuBLAS/cuDNN workspaces and autotuning
