@@ -81,8 +81,9 @@ def random_lora(model, blocks: int = 4):
     return lora
 
 
-def gpu_busy(fn) -> float:
-    """Share of fn's wall time during which at least one kernel ran."""
+def gpu_busy(fn) -> tuple[float, float]:
+    """Share of time with at least one kernel running: over fn's whole wall time, and over
+    the span from its first kernel to its last (the sampling loop without the set-up)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -102,7 +103,7 @@ def gpu_busy(fn) -> float:
         if e > end:
             busy += e - max(s, end)
             end = e
-    return busy / wall_us
+    return busy / wall_us, busy / (end - spans[0][0])
 
 
 def main():
@@ -200,8 +201,10 @@ def run(a):
                "replayed": stats.replayed, "eager": stats.eager,
                "eager_reasons": dict(stats.reasons)}  # fmt: skip
         if size == a.busy_size:
-            row["ksampler_gpu_busy"] = round(gpu_busy(stock), 4)
-            row["graph_gpu_busy"] = round(gpu_busy(ours), 4)
+            for name, fn in (("ksampler", stock), ("graph", ours)):
+                whole, loop = gpu_busy(fn)
+                row[f"{name}_gpu_busy"] = round(whole, 4)
+                row[f"{name}_gpu_busy_kernel_span"] = round(loop, 4)
         rows.append(row)
         cuda_graphs.free_graphs(model.model.diffusion_model)
         mm.soft_empty_cache()

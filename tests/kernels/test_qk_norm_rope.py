@@ -1,0 +1,557 @@
+"""Fused per-head RMS norm + RoPE (Qwen-Image attention Q/K) against a float64 reference.
+
+On CPU the Triton kernel runs through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest), at a few ms a program, so sequences are short; the `gpu` case takes the real
+24905-token sequence. Rotation tables come from ComfyUI's own EmbedND and Qwen-Image ids.
+"""
+
+import importlib
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qwen_turbo.kernels import _triton
+from qwen_turbo.kernels import qk_norm_rope as mod
+from qwen_turbo.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LAYOUTS = ["bhld", "blhd"]
+LOGGER = _triton.__name__
+needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _axes(dh):
+    """Qwen-Image's (16, 56, 56) split of 128 head dims, scaled to dh (each part even)."""
+    first = dh // 8
+    return [first, (dh - first) // 2, (dh - first) // 2]
+
+
+def _freqs(n_txt, h, w, dh, batch, dtype, device="cpu"):
+    """The rotation table of `n_txt` text tokens then an h x w image, as Qwen-Image builds it:
+    ComfyUI's own image ids (process_img), text ids from its _forward, ComfyUI's EmbedND.
+    Returns (batch, n_txt + h * w, 1, dh / 2, 2, 2) in `dtype`."""
+    from comfy.ldm.flux.layers import EmbedND
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    latent = torch.zeros(batch, 16, 1, 2 * h, 2 * w, device=device)
+    _, img_ids, _ = QwenImageTransformer2DModel.process_img(SimpleNamespace(patch_size=2), latent)
+    txt_start = max(w // 2, h // 2)
+    txt_ids = torch.arange(txt_start, txt_start + n_txt, device=device)
+    txt_ids = txt_ids.reshape(1, -1, 1).repeat(batch, 1, 3)
+    ids = torch.cat((txt_ids, img_ids), dim=1)
+    pe = EmbedND(dim=dh, theta=10000, axes_dim=_axes(dh))
+    return pe(ids).squeeze(1).unsqueeze(2).to(dtype)
+
+
+# (n_txt, h, w) giving the odd sequence lengths 1, 17 and 263.
+SEQ = {1: (0, 1, 1), 17: (5, 3, 4), 263: (38, 15, 15)}
+
+
+def _inputs(shape, dtype, seed, device="cpu", batch_freqs=None):
+    """x ~ N(0.3, 1.5), weight ~ N(1, 0.5) rounded to `dtype`, and the EmbedND table."""
+    b, seq, h, dh = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 1.5 + 0.3
+    weight = torch.randn(dh, generator=g) * 0.5 + 1
+    freqs = _freqs(*SEQ[seq], dh, batch_freqs or b, dtype, device)
+    return x.to(dtype=dtype, device=device), weight.to(dtype=dtype, device=device), freqs
+
+
+def _assert_close_to_fp64(out, x, weight, freqs, out_layout="bhld", eps=1e-6):
+    """Flash-attention's rule: the kernel's error against float64 is at most 2x the error of
+    the same-dtype ComfyUI ops, plus one rounding of the output scale."""
+    b, seq, h, dh = x.shape
+    shape = (b, h, seq, dh) if out_layout == "bhld" else (b, seq, h, dh)
+    assert out.dtype == x.dtype and out.shape == shape and out.is_contiguous()
+    assert not out.isnan().any()
+    exact = qk_norm_rope_reference(x.double(), weight.double(), freqs.double(), eps, out_layout)
+    eager = qk_norm_rope_reference(x, weight, freqs, eps, out_layout)
+    err = (out.double() - exact).abs().max().item()
+    err_eager = (eager.double() - exact).abs().max().item()
+    atol = torch.finfo(x.dtype).eps * exact.abs().max().item()
+    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
+
+
+def _poisoned(x, out_layout):
+    """A NaN-filled output buffer and its (B, L, H, Dh)-indexed view for the launcher."""
+    b, seq, h, dh = x.shape
+    if out_layout == "bhld":
+        buf = torch.full((b, h, seq, dh), float("nan"), dtype=x.dtype)
+        return buf, buf.transpose(1, 2)
+    buf = torch.full((b, seq, h, dh), float("nan"), dtype=x.dtype)
+    return buf, buf
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Make any fallback to the eager reference fail the test."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("fell back to the reference")
+
+    monkeypatch.setattr(mod, "qk_norm_rope_reference", fail)
+
+
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    """Forget which fallbacks were logged, and capture the log."""
+    monkeypatch.setattr(_triton, "_logged", set())
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    return caplog
+
+
+def _fallback_messages(caplog):
+    return [r.getMessage() for r in caplog.records if "qk_norm_rope" in r.getMessage()]
+
+
+# (B, L, H, Dh, layout): Qwen-Image's 24 heads of 128 (3 programs a token) and 2 heads (one
+# partial head block), Dh 64 (16 heads a program), odd lengths 1 and 17, both layouts.
+CASES = [
+    (2, 1, 24, 128, "bhld"),
+    (2, 17, 2, 128, "blhd"),
+    (1, 17, 24, 128, "bhld"),
+    (1, 17, 24, 64, "blhd"),
+    (1, 17, 2, 64, "bhld"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,seq,h,dh,out_layout", CASES)
+def test_kernel_matches_fp64(dtype, b, seq, h, dh, out_layout):
+    x, weight, freqs = _inputs((b, seq, h, dh), dtype, seed=seq * 31 + h + dh)
+    buf, view = _poisoned(x, out_layout)  # every element must be written
+    assert mod._launch(x, weight, freqs, 1e-6, view) is view
+    _assert_close_to_fp64(buf, x, weight, freqs, out_layout)
+
+
+@needs_triton
+def test_public_function_real_heads_odd_length(kernel_only):
+    """24 heads of 128 over 263 tokens (38 text + 15 x 15 image), bfloat16 as in the model.
+    789 programs: about 10 s in the interpreter, so one layout (CASES cover the other)."""
+    x, weight, freqs = _inputs((1, 263, 24, 128), torch.bfloat16, seed=263)
+    _assert_close_to_fp64(qk_norm_rope(x, weight, freqs), x, weight, freqs)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_function_dtypes(kernel_only, dtype):
+    x, weight, freqs = _inputs((2, 17, 3, 128), dtype, seed=5)
+    _assert_close_to_fp64(qk_norm_rope(x, weight, freqs), x, weight, freqs)
+
+
+@needs_triton
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+def test_non_contiguous_qkv_slice(kernel_only, out_layout):
+    """k from a fused (B, L, 3 * H * Dh) projection: strides (3 H Dh L, 3 H Dh, Dh, 1)."""
+    b, seq, h, dh = 2, 17, 3, 128
+    g = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(b, seq, 3 * h * dh, generator=g) * 1.5).to(torch.bfloat16)
+    k = qkv[..., h * dh : 2 * h * dh].unflatten(-1, (h, dh))
+    assert not k.is_contiguous() and k.stride() == (3 * h * dh * seq, 3 * h * dh, dh, 1)
+    _, weight, freqs = _inputs((b, seq, h, dh), torch.bfloat16, seed=7)
+    out = qk_norm_rope(k, weight, freqs, out_layout=out_layout)
+    _assert_close_to_fp64(out, k, weight, freqs, out_layout)
+
+
+@needs_triton
+def test_non_unit_last_stride(kernel_only):
+    """x with a transposed (L, Dh) pair: the head row is strided, not contiguous."""
+    x, weight, freqs = _inputs((1, 17, 2, 64), torch.float16, seed=8)
+    x = x.permute(0, 3, 2, 1).contiguous().permute(0, 3, 2, 1)
+    assert x.stride(-1) != 1
+    _assert_close_to_fp64(qk_norm_rope(x, weight, freqs), x, weight, freqs)
+
+
+@needs_triton
+def test_head_size_not_a_power_of_two(kernel_only):
+    """Dh = 96: the tile is 128 wide, the last 32 dims and 16 rotations masked."""
+    x, weight, freqs = _inputs((2, 17, 3, 96), torch.bfloat16, seed=9)
+    buf, view = _poisoned(x, "bhld")
+    mod._launch(x, weight, freqs, 1e-6, view)
+    _assert_close_to_fp64(buf, x, weight, freqs)
+
+
+@needs_triton
+def test_freqs_shared_by_the_batch(kernel_only):
+    """A (1, ...) table serves every sample (batch stride 0), as an expanded one does."""
+    x, weight, freqs = _inputs((2, 17, 2, 64), torch.bfloat16, seed=10, batch_freqs=1)
+    out = qk_norm_rope(x, weight, freqs)
+    _assert_close_to_fp64(out, x, weight, freqs)
+    expanded = freqs.expand(2, *freqs.shape[1:])
+    torch.testing.assert_close(out, qk_norm_rope(x, weight, expanded), rtol=0, atol=0)
+
+
+@needs_triton
+def test_freqs_sliced_from_the_joint_table(kernel_only):
+    """The image part [:, n_txt:] of the joint text+image table, as a fused attention would
+    pass it: not contiguous, read through its strides without a copy."""
+    b, h, dh = 2, 2, 64
+    n_txt, ih, iw = SEQ[17]
+    joint = _freqs(n_txt, ih, iw, dh, b, torch.bfloat16)
+    freqs = joint[:, n_txt:]
+    assert not freqs.is_contiguous()
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(b, ih * iw, h, dh, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(dh, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    _assert_close_to_fp64(qk_norm_rope(x, weight, freqs), x, weight, freqs)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_2x2_table_per_sample(kernel_only, dtype):
+    """ComfyUI's tables repeat across the batch and are rotations; the kernel reads each
+    sample's table and all four entries of each matrix, so random matrices that differ
+    per sample must work too."""
+    x, weight, _ = _inputs((2, 17, 3, 64), dtype, seed=18)
+    g = torch.Generator().manual_seed(18)
+    freqs = torch.randn(2, 17, 1, 32, 2, 2, generator=g).to(dtype)
+    buf, view = _poisoned(x, "bhld")
+    mod._launch(x, weight, freqs, 1e-6, view)
+    _assert_close_to_fp64(buf, x, weight, freqs)
+
+
+@needs_triton
+def test_float32_table_and_weight_with_bf16_x(kernel_only):
+    """A float32 weight is rounded to x's dtype (as comfy.ops casts it); a float32 table is
+    read as is, and the result is still bfloat16."""
+    x, weight, freqs = _inputs((2, 17, 2, 64), torch.bfloat16, seed=11)
+    freqs32 = _freqs(*SEQ[17], 64, 2, torch.float32)
+    out = qk_norm_rope(x, weight.float(), freqs32)
+    _assert_close_to_fp64(out, x, weight, freqs32)
+
+
+@needs_triton
+def test_launcher_writes_slices_of_a_joint_buffer(kernel_only):
+    """Text and image q, normed with their own weights, written into one (B, H, L, Dh)
+    buffer at their offsets: the joint query attention takes, with no cat or transpose."""
+    b, h, dh = 2, 3, 64
+    n_txt, ih, iw = SEQ[17]
+    g = torch.Generator().manual_seed(12)
+    txt = torch.randn(b, n_txt, h, dh, generator=g).to(torch.bfloat16)
+    img = torch.randn(b, ih * iw, h, dh, generator=g).to(torch.bfloat16)
+    w_txt, w_img = (torch.randn(2, dh, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    freqs = _freqs(n_txt, ih, iw, dh, b, torch.bfloat16)
+    joint = torch.full((b, h, 17, dh), float("nan"), dtype=torch.bfloat16)
+    mod._launch(txt, w_txt, freqs[:, :n_txt], 1e-6, joint[:, :, :n_txt].transpose(1, 2))
+    mod._launch(img, w_img, freqs[:, n_txt:], 1e-6, joint[:, :, n_txt:].transpose(1, 2))
+    _assert_close_to_fp64(joint[:, :, :n_txt].contiguous(), txt, w_txt, freqs[:, :n_txt])
+    _assert_close_to_fp64(joint[:, :, n_txt:].contiguous(), img, w_img, freqs[:, n_txt:])
+
+
+@needs_triton
+def test_zero_head_gives_zero(kernel_only):
+    """An all-zero head: rstd = 1/sqrt(eps), 0 * rstd = 0, no NaN."""
+    x, weight, freqs = _inputs((1, 1, 2, 128), torch.float16, seed=13)
+    x[0, 0, 1] = 0
+    out = qk_norm_rope(x, weight, freqs)
+    assert torch.equal(out[0, 1, 0], torch.zeros(128, dtype=torch.float16))
+    _assert_close_to_fp64(out, x, weight, freqs)
+
+
+@needs_triton
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+def test_empty_sequence(kernel_only, out_layout):
+    x = torch.zeros(2, 0, 3, 64, dtype=torch.bfloat16)
+    freqs = torch.zeros(2, 0, 1, 32, 2, 2, dtype=torch.bfloat16)
+    out = qk_norm_rope(x, torch.ones(64, dtype=torch.bfloat16), freqs, out_layout=out_layout)
+    assert out.shape == ((2, 3, 0, 64) if out_layout == "bhld" else (2, 0, 3, 64))
+
+
+def test_bad_layout_is_an_error():
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="'bhld' or 'blhd'"):
+        qk_norm_rope(x, weight, freqs, out_layout="bshd")
+
+
+@needs_triton
+def test_custom_op_registration():
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=14)
+    for layout in LAYOUTS:
+        torch.library.opcheck(mod._qk_norm_rope_op, (x, weight, freqs, 1e-6, layout))
+
+
+@needs_triton
+def test_torch_compile_full_graph(kernel_only):
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=15)
+
+    def block(x):
+        return qk_norm_rope(x, weight, freqs) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+
+
+# Fallbacks: each branch of the dispatcher sends the call to the reference, logged once.
+
+
+def _assert_falls_back(x, weight, freqs, caplog, reason, fn=qk_norm_rope):
+    out = fn(x, weight, freqs)
+    ref = qk_norm_rope_reference(x, weight, freqs)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert out.is_contiguous()
+    _assert_logged(caplog, reason)
+
+
+def _rotations(shape, seed=0):
+    """A table of random 2x2 rotations of any shape (..., n, 2, 2)."""
+    angle = torch.randn(shape[:-2], generator=torch.Generator().manual_seed(seed))
+    rot = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], dim=-1)
+    return rot.reshape(shape)
+
+
+def _assert_logged(caplog, reason):
+    messages = _fallback_messages(caplog)
+    assert len(messages) == 1 and reason in messages[0], messages
+
+
+def test_fallback_env_switch(monkeypatch, fresh_log):
+    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.bfloat16, seed=0)
+    _assert_falls_back(x, weight, freqs, fresh_log, "QWEN_TURBO_DISABLE_KERNELS")
+
+
+def test_fallback_float64(fresh_log):
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float64, seed=0)
+    _assert_falls_back(x, weight, freqs, fresh_log, "torch.float64")
+
+
+def test_fallback_float64_table(fresh_log):
+    """A float64 table with a float32 x: ComfyUI's op promotes; the result is rounded back."""
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    _assert_falls_back(x, weight, freqs.double(), fresh_log, "freqs torch.float64")
+
+
+def test_fallback_3d_input(fresh_log):
+    """x without its batch axis, (L, H, Dh): not the kernel's; the reference broadcasts."""
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    _assert_falls_back(x[0], weight, freqs[0], fresh_log, "3 dims")
+
+
+def test_fallback_head_size_too_large(fresh_log):
+    """Dh > 256 does not fit a program's tile; the reference still computes it."""
+    x = torch.randn(1, 3, 2, 258, generator=torch.Generator().manual_seed(0))
+    freqs = _rotations((1, 3, 1, 129, 2, 2))
+    _assert_falls_back(x, torch.ones(258), freqs, fresh_log, "head size 258")
+
+
+def test_fallback_odd_head_size(fresh_log):
+    """An odd Dh has no pairs to rotate: the fallback raises ComfyUI's own reshape error."""
+    x = torch.randn(1, 3, 2, 5, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError):
+        qk_norm_rope(x, torch.ones(5), _rotations((1, 3, 1, 2, 2, 2)))
+    _assert_logged(fresh_log, "head size 5 is odd")
+
+
+def test_fallback_weight_shape(fresh_log):
+    """A (H, Dh) weight makes F.rms_norm normalise whole tokens, not heads: the reference."""
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    weight = torch.stack([weight, weight.flip(0)])
+    _assert_falls_back(x, weight, freqs, fresh_log, "weight has shape (2, 64)")
+
+
+@pytest.mark.parametrize(
+    "shape,reason",
+    [
+        ((2, 17, 2, 32, 2, 2), "freqs has shape (2, 17, 2, 32, 2, 2)"),  # one table a head
+        ((1, 1, 1, 32, 2, 2), "freqs has shape (1, 1, 1, 32, 2, 2)"),  # one for all tokens
+    ],
+)
+def test_fallback_freqs_that_broadcast(fresh_log, shape, reason):
+    """Tables the kernel does not index but ComfyUI's op broadcasts: the reference."""
+    x, weight, _ = _inputs((2, 17, 2, 64), torch.float32, seed=0)
+    _assert_falls_back(x, weight, _rotations(shape), fresh_log, reason)
+
+
+@pytest.mark.parametrize(
+    "shape,reason",
+    [
+        ((3, 17, 1, 32, 2, 2), "not (2 or 1, 17, 1, 32, 2, 2)"),  # batch 3 for x's 2
+        ((2, 263, 1, 32, 2, 2), "freqs has shape (2, 263"),  # another sequence length
+        ((2, 17, 32, 2, 2), "freqs has shape (2, 17, 32, 2, 2)"),  # no head axis
+    ],
+)
+def test_fallback_freqs_mismatch(fresh_log, shape, reason):
+    """A table for other tokens: the fallback raises the error ComfyUI's op raises."""
+    x, weight, _ = _inputs((2, 17, 2, 64), torch.float32, seed=0)
+    freqs = _rotations(shape)
+    with pytest.raises(RuntimeError):
+        qk_norm_rope(x, weight, freqs)
+    _assert_logged(fresh_log, reason)
+
+
+def test_fallback_freqs_on_another_device(fresh_log):
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        qk_norm_rope(x, weight, freqs.to("meta"))
+    _assert_logged(fresh_log, "freqs is on meta")
+
+
+def test_fallback_autograd(fresh_log):
+    x, weight, freqs = _inputs((1, 17, 2, 64), torch.float32, seed=0)
+    weight.requires_grad_()
+    _assert_falls_back(x, weight, freqs, fresh_log, "require grad")
+    qk_norm_rope(x, weight, freqs).sum().backward()
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+
+
+def test_fallback_device(monkeypatch, fresh_log):
+    """Outside the interpreter, CPU tensors are not the kernel's."""
+    monkeypatch.setattr(_triton, "INTERPRET", False)
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    _assert_falls_back(x, weight, freqs, fresh_log, "tensors on cpu")
+
+
+def test_fallback_triton_unavailable(monkeypatch, fresh_log):
+    monkeypatch.setattr(mod, "unsupported", lambda x: "Triton is not installed (test)")
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.bfloat16, seed=0)
+    _assert_falls_back(x, weight, freqs, fresh_log, "Triton is not installed")
+
+
+def test_module_imports_without_triton(monkeypatch, caplog):
+    """A second copy of kernels/, imported with `import triton` failing, runs the reference."""
+    kernels = Path(mod.__file__).parent
+    pkg = "_qt_kernels_without_triton_qk"
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    caplog.set_level(logging.INFO, logger=f"{pkg}._triton")
+    spec = importlib.util.spec_from_file_location(
+        pkg, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
+    )
+    try:
+        sys.modules[pkg] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[pkg])
+        copy = importlib.import_module(f"{pkg}.qk_norm_rope")
+        assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
+        x, weight, freqs = _inputs((1, 1, 2, 64), torch.bfloat16, seed=0)
+        _assert_falls_back(x, weight, freqs, caplog, "not installed", fn=copy.qk_norm_rope)
+    finally:
+        for name in [n for n in sys.modules if n.startswith(pkg)]:
+            del sys.modules[name]
+
+
+def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
+    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
+    for _ in range(3):
+        qk_norm_rope(x, weight, freqs)
+    qk_norm_rope(x.double(), weight, freqs)  # same reason: the env switch is checked first
+    assert len(_fallback_messages(fresh_log)) == 1
+    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
+    for _ in range(2):
+        qk_norm_rope(x.double(), weight, freqs)
+    messages = _fallback_messages(fresh_log)
+    assert len(messages) == 2 and "torch.float64" in messages[1], messages
+
+
+# Against ComfyUI's real Attention module: its q and k, as they reach attention.
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_comfyui_attention(kernel_only, monkeypatch, dtype):
+    """Run ComfyUI's Qwen-Image `Attention.forward` with the attention call replaced by a
+    recorder; the reference must give its joint q and k bit for bit, and the kernel,
+    writing text and image parts into one (B, H, L, Dh) buffer, the fp64 rule."""
+    import comfy.ldm.qwen_image.model as qwen
+    import comfy.ops
+
+    b, heads, dh, dim = 2, 2, 32, 64
+    n_txt, ih, iw = SEQ[17]
+    g = torch.Generator().manual_seed(16)
+    attn = qwen.Attention(
+        query_dim=dim,
+        dim_head=dh,
+        heads=heads,
+        out_dim=dim,
+        bias=True,
+        eps=1e-6,
+        dtype=dtype,
+        operations=comfy.ops.disable_weight_init,
+    )
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            scale, shift = (0.5, 1.0) if name.startswith("norm") else (dim**-0.5, 0.0)
+            p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
+    img = torch.randn(b, ih * iw, dim, generator=g).to(dtype)
+    txt = torch.randn(b, n_txt, dim, generator=g).to(dtype)
+    freqs = _freqs(n_txt, ih, iw, dh, b, dtype)
+
+    seen = {}
+
+    def record(q, k, v, heads, mask=None, **kwargs):
+        seen["q"], seen["k"] = q, k
+        return v
+
+    monkeypatch.setattr(qwen, "optimized_attention_masked", record)
+    with torch.inference_mode():  # as ComfyUI samples
+        attn(img, txt, image_rotary_emb=freqs)
+        for name, (img_proj, txt_proj, img_norm, txt_norm) in {
+            "q": (attn.to_q, attn.add_q_proj, attn.norm_q, attn.norm_added_q),
+            "k": (attn.to_k, attn.add_k_proj, attn.norm_k, attn.norm_added_k),
+        }.items():
+            # The attention backends view (B, L, H * Dh) as (B, H, L, Dh).
+            comfy_out = seen[name].view(b, n_txt + ih * iw, heads, dh).transpose(1, 2)
+            joint = torch.full((b, heads, n_txt + ih * iw, dh), float("nan"), dtype=dtype)
+            refs = []
+            for proj, norm, hidden, sl in (
+                (txt_proj, txt_norm, txt, slice(0, n_txt)),
+                (img_proj, img_norm, img, slice(n_txt, None)),
+            ):
+                x = proj(hidden).unflatten(-1, (heads, -1))
+                mod._launch(x, norm.weight, freqs[:, sl], 1e-6, joint[:, :, sl].transpose(1, 2))
+                _assert_close_to_fp64(joint[:, :, sl].contiguous(), x, norm.weight, freqs[:, sl])
+                refs.append(qk_norm_rope_reference(x, norm.weight, freqs[:, sl]))
+            torch.testing.assert_close(torch.cat(refs, dim=2), comfy_out, rtol=0, atol=0)
+
+
+# GPU: the real Qwen-Image sequence (256 text + 157 x 157 image tokens), 24 heads of 128.
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+def test_gpu_real_size_bf16(kernel_only, out_layout):
+    b, n_txt, ih, iw, h, dh = 1, 256, 157, 157, 24, 128
+    seq = n_txt + ih * iw
+    assert seq == 24905
+    g = torch.Generator().manual_seed(17)
+    qkv = (torch.randn(b, seq, 3 * h * dh, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    x = qkv[..., : h * dh].unflatten(-1, (h, dh))  # q of a fused projection
+    weight = (torch.randn(dh, generator=g) * 0.5 + 1).to("cuda", torch.bfloat16)
+    freqs = _freqs(n_txt, ih, iw, dh, b, torch.bfloat16, device="cuda")
+    out = qk_norm_rope(x, weight, freqs, out_layout=out_layout)
+    # float32 stands in for float64 here: its error is far below bfloat16's
+    args = (weight.float(), freqs.float(), 1e-6, out_layout)
+    exact = qk_norm_rope_reference(x.float(), *args)
+    eager = qk_norm_rope_reference(x, weight, freqs, 1e-6, out_layout)
+    err = (out.float() - exact).abs().max().item()
+    err_eager = (eager.float() - exact).abs().max().item()
+    assert out.shape == eager.shape and out.is_contiguous()
+    assert err <= 2 * err_eager + 1e-2, (err, err_eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture(kernel_only):
+    x, weight, freqs = _inputs((1, 263, 24, 128), torch.bfloat16, seed=19, device="cuda")
+    expected = qk_norm_rope(x, weight, freqs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qk_norm_rope(x, weight, freqs)  # warm up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = qk_norm_rope(x, weight, freqs)
+    x.copy_(x.flip(1))
+    graph.replay()
+    torch.testing.assert_close(captured, qk_norm_rope(x, weight, freqs), rtol=0, atol=0)
+    assert not torch.equal(captured, expected)
