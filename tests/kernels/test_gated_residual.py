@@ -543,8 +543,9 @@ def test_gpu_fused_real_size_bf16(kernel_only):
 @pytest.mark.slow
 @needs_cuda
 def test_gpu_offsets_past_2_pow_31(kernel_only):
-    """29 x 24905 x 3072 = 2.2 G elements: the last sample starts past 2^31."""
-    shape = (29, 24905, 3072)
+    """30 x 24905 x 3072 = 2.3 G elements: the last sample starts past 2^31."""
+    shape = (30, 24905, 3072)
+    assert (shape[0] - 1) * shape[1] * shape[2] > 2**31
     x = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
     y = torch.zeros_like(x)
     last = _inputs((1,) + shape[1:], torch.bfloat16, seed=3, device="cuda")
