@@ -20,6 +20,8 @@ HAS_TRITON = triton is not None
 # TRITON_INTERPRET=1 runs the kernels on CPU tensors through Triton's interpreter (tests).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[tuple[str, str]] = set()
+# The dtypes every kernel takes (x's; some ops also hold other inputs to them).
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def disabled() -> bool:
@@ -35,6 +37,23 @@ def unsupported(x: torch.Tensor) -> str | None:
         return UNAVAILABLE
     if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")):
         return f"tensors on {x.device.type} are not supported"
+    return None
+
+
+def common_reason(x: torch.Tensor) -> str | None:
+    """The checks every dispatcher makes first: `unsupported(x)`, then x's dtype."""
+    reason = unsupported(x)
+    if reason is not None:
+        return reason
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype} is not supported (bfloat16, float16, float32)"
+    return None
+
+
+def grad_reason(*tensors: torch.Tensor | None) -> str | None:
+    """The check every dispatcher makes last: the kernels have no backward (None skipped)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return "inputs require grad and the kernel has no backward"
     return None
 
 

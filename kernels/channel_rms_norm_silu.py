@@ -14,10 +14,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
 
 OP = "channel_rms_norm_silu"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest channel block one program holds (all of C at once when C <= this): the tile is
 # [C_BLOCK, S_BLOCK] and stays in registers; a larger C is swept in chunks of this size.
 MAX_C_BLOCK = 1024
@@ -207,21 +206,15 @@ if HAS_TRITON:
 
 def _why_not(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why the Triton path cannot take this call, or None when it can."""
-    reason = unsupported(x)
+    reason = common_reason(x)
     if reason is not None:
         return reason
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} is not supported (bfloat16, float16, float32)"
     if x.ndim not in (4, 5):
         return f"x has {x.ndim} dims; the kernel takes (B, C, H, W) or (B, C, T, H, W)"
     c = x.shape[1]
     if gamma.numel() != c or (bias is not None and bias.numel() != c):
         return f"gamma/bias do not hold one value per channel ({c})"
-    if torch.is_grad_enabled() and (
-        x.requires_grad or gamma.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return "inputs require grad and the kernel has no backward"
-    return None
+    return grad_reason(x, gamma, bias)
 
 
 def channel_rms_norm_silu(

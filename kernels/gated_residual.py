@@ -20,13 +20,12 @@ The first line is two kernels (gate * y, then + x) that round twice; the last tw
 
 import torch
 
-from ._triton import HAS_TRITON, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
 from .layernorm_modulate import _why_not as _why_not_layernorm
 from .layernorm_modulate import layernorm_modulate_reference
 
 OP = "gated_residual"
 OP_FUSED = "gated_residual_layernorm_modulate"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The residual kernel's chunk of a row: 1024 values, 4 warps, 8 per thread (one 16-byte load
 # of bf16). D = 3072 is three chunks with no masked lanes.
 MAX_BLOCK_D = 1024
@@ -259,11 +258,9 @@ if HAS_TRITON:
 
 def _why_not(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> str | None:
     """Why the residual kernel cannot take this call, or None when it can."""
-    reason = unsupported(x)
+    reason = common_reason(x)
     if reason is not None:
         return reason
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} is not supported (bfloat16, float16, float32)"
     if x.ndim != 3:
         return f"x has {x.ndim} dims; the kernel takes (B, L, D)"
     if y.shape != x.shape:
@@ -275,9 +272,7 @@ def _why_not(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> str | None
         return f"y ({y.dtype}) or gate ({gate.dtype}) differs from x's dtype {x.dtype}"
     if y.device != x.device or gate.device != x.device:
         return f"y on {y.device} or gate on {gate.device}, x on {x.device}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, gate)):
-        return "inputs require grad and the kernel has no backward"
-    return None
+    return grad_reason(x, y, gate)
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

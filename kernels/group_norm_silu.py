@@ -23,10 +23,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
 
 OP = "group_norm_silu"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Stats pass: one tile is BLOCK contiguous elements of a group (8 warps x 32 lanes x 16
 # values: two 16-byte loads per thread in bf16/fp16). A program reduces a chunk of whole
@@ -322,11 +321,9 @@ def _why_not(
     bias: torch.Tensor | None,
 ) -> str | None:
     """Why the Triton path cannot take this call, or None when it can."""
-    reason = unsupported(x)
+    reason = common_reason(x)
     if reason is not None:
         return reason
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} is not supported (bfloat16, float16, float32)"
     if x.ndim not in (3, 4, 5):
         return f"x has {x.ndim} dims; the kernel takes (B, C, *spatial) with 1-3 spatial dims"
     c = x.shape[1]
@@ -337,11 +334,7 @@ def _why_not(
             return f"{name} is not {c} values on {x.device}"
     if x.numel() == 0:
         return "x is empty"
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
-    ):
-        return "inputs require grad and the kernel has no backward"
-    return None
+    return grad_reason(x, weight, bias)
 
 
 def group_norm_silu(

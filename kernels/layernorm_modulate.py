@@ -15,10 +15,9 @@ the result is rounded to x's dtype once.
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
 
 OP = "layernorm_modulate"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest row one program holds in registers (Qwen-Image: D = 3072, a 4096-wide block). Past
 # this the row would spill; such widths use the reference.
 MAX_D = 8192
@@ -173,11 +172,9 @@ def _why_not(x: torch.Tensor, *mods: torch.Tensor) -> str | None:
 
     Shared with the fused gated-residual op, which has the same limits on its LayerNorm.
     """
-    reason = unsupported(x)
+    reason = common_reason(x)
     if reason is not None:
         return reason
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} is not supported (bfloat16, float16, float32)"
     if x.ndim != 3:
         return f"x has {x.ndim} dims; the kernel takes (B, L, D)"
     b, _, d = x.shape
@@ -190,9 +187,7 @@ def _why_not(x: torch.Tensor, *mods: torch.Tensor) -> str | None:
             return f"modulation on {m.device}, x on {x.device}"
     if d > MAX_D:
         return f"D = {d} is wider than the kernel's row ({MAX_D})"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *mods)):
-        return "inputs require grad and the kernel has no backward"
-    return None
+    return grad_reason(x, *mods)
 
 
 def layernorm_modulate(

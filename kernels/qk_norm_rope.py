@@ -22,10 +22,9 @@ loads all four entries, so any 2x2 table gives ComfyUI's result.
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, log_fallback_once, tl, triton, unsupported
+from ._triton import DTYPES, HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
 
 OP = "qk_norm_rope"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LAYOUTS = ("bhld", "blhd")
 # Largest head size the kernel takes: a program holds BLOCK_H whole heads in registers.
 MAX_HEAD_DIM = 256
@@ -227,7 +226,7 @@ def _why_not(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor) -> str 
     reason = unsupported(x)
     if reason is not None:
         return reason
-    if x.dtype not in _DTYPES or freqs.dtype not in _DTYPES:
+    if x.dtype not in DTYPES or freqs.dtype not in DTYPES:
         return (
             f"dtypes x {x.dtype}, freqs {freqs.dtype} are not supported "
             "(bfloat16, float16, float32)"
@@ -243,9 +242,7 @@ def _why_not(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor) -> str 
         return f"freqs has shape {tuple(freqs.shape)}, not ({b} or 1, {seq}, 1, {d // 2}, 2, 2)"
     if freqs.device != x.device:
         return f"freqs is on {freqs.device}, x on {x.device}"
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or freqs.requires_grad):
-        return "inputs require grad and the kernel has no backward"
-    return None
+    return grad_reason(x, weight, freqs)
 
 
 def qk_norm_rope(

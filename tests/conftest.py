@@ -42,6 +42,22 @@ _load_pack()
 
 
 @pytest.fixture(scope="session")
+def qwen_vae():
+    """ComfyUI's VAE object for the random full-width Qwen-Image VAE."""
+    from tests.harness.models import load_vae, qwen_vae_file
+
+    return load_vae(qwen_vae_file())
+
+
+@pytest.fixture(scope="session")
+def sd_vae():
+    """ComfyUI's VAE object for a random full-width SD AutoencoderKL."""
+    from tests.harness.models import sd_vae
+
+    return sd_vae()
+
+
+@pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
     from tests.harness.models import models_tree
 

@@ -12,19 +12,8 @@ from qwen_turbo.kernels.upsample_conv3x3 import UpsampleConv3x3
 from qwen_turbo.nodes import vae_patches as node
 from qwen_turbo.nodes.vae_tiling import VAEDecodeTiled
 from qwen_turbo.runtime import vae_patches
-from tests.harness import models
 
 TOL = 2 / 255
-
-
-@pytest.fixture(scope="module")
-def qwen_vae():
-    return models.load_vae(models.qwen_vae_file())
-
-
-@pytest.fixture(scope="module")
-def sd_vae():
-    return models.sd_vae()
 
 
 def _decode(vae, latent):

@@ -11,16 +11,6 @@ from tests.harness import models
 TOL = 2 / 255  # images in 0..1
 
 
-@pytest.fixture(scope="module")
-def qwen_vae():
-    return models.load_vae(models.qwen_vae_file())
-
-
-@pytest.fixture(scope="module")
-def sd_vae():
-    return models.sd_vae()
-
-
 def _latent(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 

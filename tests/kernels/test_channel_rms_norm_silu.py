@@ -4,27 +4,29 @@ On CPU the Triton kernel runs through Triton's interpreter (TRITON_INTERPRET=1, 
 conftest), so sizes are small; the `gpu` cases take real 2512x2512 activations.
 """
 
-import importlib
-import importlib.util
-import logging
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from qwen_turbo.kernels import _triton
 from qwen_turbo.kernels import channel_rms_norm_silu as mod
 from qwen_turbo.kernels.channel_rms_norm_silu import (
     ChannelRMSNormSiLU,
     channel_rms_norm_silu,
     channel_rms_norm_silu_reference,
 )
+from tests.kernels.common import (
+    DTYPES,
+    assert_compiles_full_graph,
+    assert_cuda_graph_replays,
+    assert_error_rule,
+    assert_logged_once,
+    assert_logged_once_per_reason,
+    needs_cuda,
+    needs_triton,
+    ulps,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-LOGGER = _triton.__name__
-needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+OP = "channel_rms_norm_silu"  # as the fallback log names it
+REFERENCES = (mod, "channel_rms_norm_silu_reference")  # what `kernel_only` makes fail
 
 
 def _inputs(shape, dtype, seed, bias=True, param_shape=None, device="cpu"):
@@ -47,32 +49,7 @@ def _assert_close_to_fp64(out, x, gamma, bias, silu):
     args = (None if bias is None else bias.double(), silu)
     exact = channel_rms_norm_silu_reference(x.double(), gamma.double(), *args)
     eager = channel_rms_norm_silu_reference(x, gamma, bias, silu)
-    err = (out.double() - exact).abs().max().item()
-    err_eager = (eager.double() - exact).abs().max().item()
-    atol = torch.finfo(x.dtype).eps * exact.abs().max().item()
-    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
-
-
-@pytest.fixture
-def kernel_only(monkeypatch):
-    """Make any fallback to the eager reference fail the test."""
-
-    def fail(*args, **kwargs):
-        raise AssertionError("fell back to the reference")
-
-    monkeypatch.setattr(mod, "channel_rms_norm_silu_reference", fail)
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget which fallbacks were logged, and capture the log."""
-    monkeypatch.setattr(_triton, "_logged", set())
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    return caplog
-
-
-def _fallback_messages(caplog):
-    return [r.getMessage() for r in caplog.records if "channel_rms_norm_silu" in r.getMessage()]
+    assert_error_rule(out, exact, eager, ulps(1, x.dtype, exact))
 
 
 # (shape, silu, bias): the Wan/Qwen VAE widths, odd maps, 4-D and 5-D with T = 1 and 2.
@@ -195,9 +172,7 @@ def test_torch_compile_full_graph(kernel_only):
     def block(x):
         return channel_rms_norm_silu(x, gamma, b) * 2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+    assert_compiles_full_graph(block, x)
 
 
 # Fallbacks: each branch of the dispatcher sends the call to the reference, logged once.
@@ -207,8 +182,7 @@ def _assert_falls_back(x, gamma, b, caplog, reason, fn=channel_rms_norm_silu):
     out = fn(x, gamma, b)
     ref = channel_rms_norm_silu_reference(x, gamma, b)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    messages = _fallback_messages(caplog)
-    assert len(messages) == 1 and reason in messages[0], messages
+    assert_logged_once(caplog, OP, reason)
 
 
 def test_fallback_env_switch(monkeypatch, fresh_log):
@@ -242,54 +216,31 @@ def test_fallback_autograd(fresh_log):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_fallback_device(monkeypatch, fresh_log):
+def test_fallback_device(no_interpreter, fresh_log):
     """Outside the interpreter, CPU tensors are not the kernel's."""
-    monkeypatch.setattr(_triton, "INTERPRET", False)
     x, gamma, b = _inputs((1, 96, 3, 5), torch.float32, seed=0)
     _assert_falls_back(x, gamma, b, fresh_log, "tensors on cpu")
 
 
-def test_fallback_triton_unavailable(monkeypatch, fresh_log):
-    monkeypatch.setattr(_triton, "HAS_TRITON", False)
-    monkeypatch.setattr(_triton, "UNAVAILABLE", "Triton is not installed (test)")
+def test_fallback_triton_unavailable(triton_missing, fresh_log):
     x, gamma, b = _inputs((1, 96, 3, 5), torch.bfloat16, seed=0)
     _assert_falls_back(x, gamma, b, fresh_log, "Triton is not installed")
 
 
-def test_module_imports_without_triton(monkeypatch, caplog):
+def test_module_imports_without_triton(without_triton, caplog):
     """A second copy of kernels/, imported with `import triton` failing, runs the reference."""
-    kernels = Path(mod.__file__).parent
-    pkg = "_qt_kernels_without_triton"
-    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    caplog.set_level(logging.INFO, logger=f"{pkg}._triton")
-    spec = importlib.util.spec_from_file_location(
-        pkg, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
-    )
-    try:
-        sys.modules[pkg] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[pkg])
-        copy = importlib.import_module(f"{pkg}.channel_rms_norm_silu")
-        assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
-        x, gamma, b = _inputs((1, 96, 3, 5), torch.bfloat16, seed=0)
-        _assert_falls_back(x, gamma, b, caplog, "not installed", fn=copy.channel_rms_norm_silu)
-    finally:
-        for name in [n for n in sys.modules if n.startswith(pkg)]:
-            del sys.modules[name]
+    copy = without_triton("channel_rms_norm_silu")
+    assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
+    x, gamma, b = _inputs((1, 96, 3, 5), torch.bfloat16, seed=0)
+    _assert_falls_back(x, gamma, b, caplog, "not installed", fn=copy.channel_rms_norm_silu)
 
 
 def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     x, gamma, b = _inputs((1, 96, 3, 5), torch.float32, seed=0)
-    for _ in range(3):
-        channel_rms_norm_silu(x, gamma, b)
-    channel_rms_norm_silu(x.double(), gamma, b)  # same reason: the env switch is checked first
-    assert len(_fallback_messages(fresh_log)) == 1
-    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
-    for _ in range(2):
-        channel_rms_norm_silu(x.double(), gamma, b)
-    messages = _fallback_messages(fresh_log)
-    assert len(messages) == 2 and "torch.float64" in messages[1], messages
+    x64_args = (x.double(), gamma, b)
+    assert_logged_once_per_reason(
+        monkeypatch, fresh_log, OP, channel_rms_norm_silu, (x, gamma, b), x64_args, x64_args
+    )
 
 
 # The module wrapper against ComfyUI's own RMS_norm (+ nn.SiLU).
@@ -343,9 +294,7 @@ def test_gpu_large_bf16(kernel_only, shape):
     out = channel_rms_norm_silu(x, gamma, b)
     # float32 stands in for float64 here: its error is far below bfloat16's
     exact = channel_rms_norm_silu_reference(x.float(), gamma.float(), b.float())
-    err = (out.float() - exact).abs().max().item()
-    err_eager = (channel_rms_norm_silu_reference(x, gamma, b).float() - exact).abs().max().item()
-    assert err <= 2 * err_eager + 1e-2, (err, err_eager)
+    assert_error_rule(out, exact, channel_rms_norm_silu_reference(x, gamma, b), 1e-2)
 
 
 @pytest.mark.gpu
@@ -367,16 +316,4 @@ def test_gpu_offsets_past_2_pow_31(kernel_only):
 @needs_cuda
 def test_gpu_cuda_graph_capture(kernel_only):
     x, gamma, b = _inputs((1, 192, 2, 157, 113), torch.bfloat16, seed=3, device="cuda")
-    expected = channel_rms_norm_silu(x, gamma, b)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        channel_rms_norm_silu(x, gamma, b)  # warm up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = channel_rms_norm_silu(x, gamma, b)
-    x.copy_(x.flip(-1))
-    graph.replay()
-    torch.testing.assert_close(captured, channel_rms_norm_silu(x, gamma, b), rtol=0, atol=0)
-    assert not torch.equal(captured, expected)
+    assert_cuda_graph_replays(lambda: channel_rms_norm_silu(x, gamma, b), x, -1)

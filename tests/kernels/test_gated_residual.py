@@ -9,17 +9,11 @@ is usually the closer of the two; `test_single_rounding` holds it to that.
 """
 
 import copy
-import importlib
-import importlib.util
-import logging
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from qwen_turbo.kernels import _triton
 from qwen_turbo.kernels import gated_residual as mod
 from qwen_turbo.kernels.gated_residual import (
     gated_residual,
@@ -32,11 +26,21 @@ from qwen_turbo.kernels.layernorm_modulate import (
     layernorm_modulate,
     layernorm_modulate_reference,
 )
+from tests.kernels.common import (
+    DTYPES,
+    assert_compiles_full_graph,
+    assert_error_rule,
+    assert_logged_once,
+    assert_logged_once_per_reason,
+    fallback_messages,
+    needs_cuda,
+    needs_triton,
+    ulps,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-LOGGER = _triton.__name__
-needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+OP, OP_FUSED = "gated_residual", "gated_residual_layernorm_modulate"  # as the log names them
+# what `kernel_only` makes fail
+REFERENCES = (mod, "gated_residual_reference", "gated_residual_layernorm_modulate_reference")
 
 
 def _inputs(shape, dtype, seed, device="cpu", modulation=False):
@@ -57,10 +61,7 @@ def _rule(out, exact, eager):
     """Kernel error vs float64 <= 2 x (eager same-dtype error vs float64) + 2 ulps."""
     assert out.dtype == eager.dtype and out.shape == eager.shape
     assert not out.isnan().any()
-    err = (out.double() - exact).abs().max().item()
-    err_eager = (eager.double() - exact).abs().max().item()
-    atol = 2 * torch.finfo(out.dtype).eps * exact.abs().max().item()
-    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
+    assert_error_rule(out, exact, eager, ulps(2, out.dtype, exact))
 
 
 def _assert_close_to_fp64(out, x, y, gate):
@@ -94,29 +95,6 @@ def _rounding_excess(out, x, y, gate):
     eps32 = torch.finfo(torch.float32).eps
     bound = half * ulp + eps32 * (gy.abs() + exact.abs())
     return ((out.double() - exact).abs() / bound).max().item()
-
-
-@pytest.fixture
-def kernel_only(monkeypatch):
-    """Make any fallback to an eager reference fail the test."""
-
-    def fail(*args, **kwargs):
-        raise AssertionError("fell back to the reference")
-
-    monkeypatch.setattr(mod, "gated_residual_reference", fail)
-    monkeypatch.setattr(mod, "gated_residual_layernorm_modulate_reference", fail)
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget which fallbacks were logged, and capture the log."""
-    monkeypatch.setattr(_triton, "_logged", set())
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    return caplog
-
-
-def _fallback_messages(caplog, op="gated_residual"):
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{op}:")]
 
 
 # (B, L, D): tiny and real widths (3072 = 3 full 1024-chunks; 96 one masked chunk), odd L.
@@ -228,9 +206,7 @@ def test_torch_compile_full_graph(kernel_only):
         h, m = gated_residual_layernorm_modulate(x, y, gate, shift, scale)
         return gated_residual(h, m, gate) * 2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+    assert_compiles_full_graph(step, x)
 
 
 # The fused residual + LayerNorm + modulation.
@@ -284,8 +260,7 @@ def test_fused_launch_into_strided_outs():
 def _assert_falls_back(x, y, gate, caplog, reason, fn=gated_residual):
     out = fn(x, y, gate)
     torch.testing.assert_close(out, gated_residual_reference(x, y, gate), rtol=0, atol=0)
-    messages = _fallback_messages(caplog)
-    assert len(messages) == 1 and reason in messages[0], messages
+    assert_logged_once(caplog, OP, reason)
 
 
 def _assert_fused_falls_back(args, caplog, reason, fn=gated_residual_layernorm_modulate):
@@ -293,8 +268,7 @@ def _assert_fused_falls_back(args, caplog, reason, fn=gated_residual_layernorm_m
     h_ref, out_ref = gated_residual_layernorm_modulate_reference(*args)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
-    messages = _fallback_messages(caplog, op="gated_residual_layernorm_modulate")
-    assert len(messages) == 1 and reason in messages[0], messages
+    assert_logged_once(caplog, OP_FUSED, reason)
 
 
 def test_fallback_env_switch(monkeypatch, fresh_log):
@@ -343,63 +317,41 @@ def test_fallback_autograd(fresh_log):
     torch.testing.assert_close(gate.grad, y.sum(1))
 
 
-def test_fallback_device(monkeypatch, fresh_log):
+def test_fallback_device(no_interpreter, fresh_log):
     """Outside the interpreter, CPU tensors are not the kernel's."""
-    monkeypatch.setattr(_triton, "INTERPRET", False)
     x, y, gate = _inputs((1, 3, 64), torch.float32, seed=0)
     _assert_falls_back(x, y, gate, fresh_log, "tensors on cpu")
 
 
-def test_fallback_triton_unavailable(monkeypatch, fresh_log):
-    monkeypatch.setattr(_triton, "HAS_TRITON", False)
-    monkeypatch.setattr(_triton, "UNAVAILABLE", "Triton is not installed (test)")
+def test_fallback_triton_unavailable(triton_missing, fresh_log):
     x, y, gate = _inputs((1, 3, 64), torch.bfloat16, seed=0)
     _assert_falls_back(x, y, gate, fresh_log, "Triton is not installed")
 
 
-def test_module_imports_without_triton(monkeypatch, caplog):
+def test_module_imports_without_triton(without_triton, caplog):
     """A second copy of kernels/, imported with `import triton` failing, runs the references."""
-    kernels = Path(mod.__file__).parent
-    pkg = "_qt_kernels_without_triton"
-    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    caplog.set_level(logging.INFO, logger=f"{pkg}._triton")
-    spec = importlib.util.spec_from_file_location(
-        pkg, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
-    )
-    try:
-        sys.modules[pkg] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[pkg])
-        copy_ = importlib.import_module(f"{pkg}.gated_residual")
-        assert not copy_.HAS_TRITON and not hasattr(copy_, "_launch")
-        args = _inputs((1, 3, 64), torch.bfloat16, seed=0, modulation=True)
-        _assert_falls_back(*args[:3], caplog, "not installed", fn=copy_.gated_residual)
-        fused = copy_.gated_residual_layernorm_modulate
-        _assert_fused_falls_back(args, caplog, "not installed", fn=fused)
-    finally:
-        for name in [n for n in sys.modules if n.startswith(pkg)]:
-            del sys.modules[name]
+    copy_ = without_triton("gated_residual")
+    assert not copy_.HAS_TRITON and not hasattr(copy_, "_launch")
+    args = _inputs((1, 3, 64), torch.bfloat16, seed=0, modulation=True)
+    _assert_falls_back(*args[:3], caplog, "not installed", fn=copy_.gated_residual)
+    fused = copy_.gated_residual_layernorm_modulate
+    _assert_fused_falls_back(args, caplog, "not installed", fn=fused)
 
 
 def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     x, y, gate = _inputs((1, 3, 64), torch.float32, seed=0)
-    for _ in range(3):
-        gated_residual(x, y, gate)
-    gated_residual(x.double(), y, gate)  # same reason: the env switch comes first
-    assert len(_fallback_messages(fresh_log)) == 1
-    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
-    for _ in range(2):
-        gated_residual(x.double(), y.double(), gate.double())
-    messages = _fallback_messages(fresh_log)
-    assert len(messages) == 2 and "torch.float64" in messages[1], messages
+    x64_args = (x.double(), y, gate)
+    all64_args = (x.double(), y.double(), gate.double())
+    assert_logged_once_per_reason(
+        monkeypatch, fresh_log, OP, gated_residual, (x, y, gate), x64_args, all64_args
+    )
 
 
 def test_fused_fallback_env_switch(monkeypatch, fresh_log):
     monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     args = _inputs((1, 3, 64), torch.bfloat16, seed=0, modulation=True)
     _assert_fused_falls_back(args, fresh_log, "QWEN_TURBO_DISABLE_KERNELS")
-    assert not _fallback_messages(fresh_log)  # logged under the fused op's name only
+    assert not fallback_messages(fresh_log, OP)  # logged under the fused op's name only
 
 
 def test_fused_fallback_residual_reason(fresh_log):
@@ -512,10 +464,7 @@ def test_comfyui_block_forward_with_kernels(kernel_only, dtype):
 
 def _gpu_rule(out, exact32, eager):
     """float32 stands in for float64 on the GPU: its error is far below bfloat16's."""
-    err = (out.float() - exact32).abs().max().item()
-    err_eager = (eager.float() - exact32).abs().max().item()
-    atol = 2 * torch.finfo(out.dtype).eps * exact32.abs().max().item()
-    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
+    assert_error_rule(out, exact32, eager, ulps(2, out.dtype, exact32))
 
 
 @pytest.mark.gpu

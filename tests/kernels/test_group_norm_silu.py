@@ -5,32 +5,26 @@ Tolerance rule (flash-attention's): the kernel's max error against float64 may b
 twice the error of PyTorch's own same-dtype GroupNorm + SiLU, plus a few ulps of the dtype.
 """
 
-import importlib
-import importlib.util
-import logging
-import os
-import sys
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen_turbo.kernels import _triton
 from qwen_turbo.kernels import group_norm_silu as gns
 from qwen_turbo.kernels.group_norm_silu import (
     GroupNormSiLU,
     group_norm_silu,
     group_norm_silu_reference,
 )
+from tests.kernels.common import LOGGER, assert_error_rule, needs_cuda, needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LOGGER = _triton.__name__
+REFERENCES = (gns, "group_norm_silu_reference")  # what `kernel_only` makes fail
 # Absolute slack: a few ulps at 1.0. Triton's interpreter truncates float32 -> bfloat16
 # stores instead of rounding to nearest, so on CPU bf16 outputs are off by up to one ulp
 # where PyTorch is off by half; 2x + 4 eps covers that with room to spare.
 ATOL = {dt: 4 * torch.finfo(dt).eps for dt in (torch.float32, torch.bfloat16, torch.float16)}
-needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
 # The interpreter evaluates SiLU on masked-off lanes too (x = 0 there), where NumPy's exp may
 # overflow to inf; those lanes are never stored, and inf gives y * 0 = -0 anyway.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -63,9 +57,7 @@ def _check(x, groups, w, b, eps=1e-6, silu=True):
     assert not out.isnan().any()
     ref = _ref64(x, groups, w, b, eps, silu)
     base = group_norm_silu_reference(x, groups, w, b, eps, silu)
-    err = (out.double() - ref).abs().max().item()
-    err_base = (base.double() - ref).abs().max().item()
-    assert err <= 2 * err_base + ATOL[x.dtype], (err, err_base)
+    assert_error_rule(out, ref, base, ATOL[x.dtype])
     return out
 
 
@@ -164,18 +156,16 @@ def test_poisoned_buffers_are_fully_written(shape, groups, monkeypatch):
 
 
 @pytest.fixture
-def fallback_log(monkeypatch, caplog):
+def fallback_log(monkeypatch, fresh_log):
     """Fresh once-only log state; the op itself must not run."""
-    monkeypatch.setattr(_triton, "_logged", set())
 
     def _no_kernel(*args, **kwargs):
         raise AssertionError("the Triton op ran on a fallback branch")
 
     monkeypatch.setattr(gns, "_group_norm_silu_op", _no_kernel, raising=False)
-    caplog.set_level(logging.INFO, logger=LOGGER)
 
     def count(reason: str) -> int:
-        return sum(reason in r.getMessage() for r in caplog.records if r.name == LOGGER)
+        return sum(reason in r.getMessage() for r in fresh_log.records if r.name == LOGGER)
 
     return count
 
@@ -195,9 +185,7 @@ def test_fallback_when_disabled(monkeypatch, fallback_log):
     assert fallback_log("disabled by QWEN_TURBO_DISABLE_KERNELS") == 1
 
 
-def test_fallback_without_triton(monkeypatch, fallback_log):
-    monkeypatch.setattr(_triton, "HAS_TRITON", False)
-    monkeypatch.setattr(_triton, "UNAVAILABLE", "Triton is not installed (test)")
+def test_fallback_without_triton(triton_missing, fallback_log):
     x, w, b = _inputs((1, 96, 5, 7), torch.float32, 2)
     _call_twice(x, 32, w, b)
     assert fallback_log("Triton is not installed (test)") == 1
@@ -244,27 +232,14 @@ def test_fallback_autograd(fallback_log):
     assert x.grad is not None and fallback_log("require grad") == 1
 
 
-def test_imports_and_falls_back_without_triton(monkeypatch):
+def test_imports_and_falls_back_without_triton(without_triton):
     # A fresh copy of the kernels package, imported as on a machine without Triton.
-    kernels = os.path.dirname(gns.__file__)
-    spec = importlib.util.spec_from_file_location(
-        "qt_no_triton", f"{kernels}/__init__.py", submodule_search_locations=[kernels]
+    mod = without_triton("group_norm_silu")
+    assert not mod.HAS_TRITON and not hasattr(mod, "_group_norm_silu_op")
+    x, w, b = _inputs((1, 96, 5, 7), torch.float32, 9)
+    torch.testing.assert_close(
+        mod.group_norm_silu(x, 32, w, b), gns.group_norm_silu_reference(x, 32, w, b)
     )
-    pkg = importlib.util.module_from_spec(spec)
-    for name in ("triton", "triton.language"):
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "qt_no_triton", pkg)
-    spec.loader.exec_module(pkg)
-    try:
-        mod = importlib.import_module("qt_no_triton.group_norm_silu")
-        assert not mod.HAS_TRITON and not hasattr(mod, "_group_norm_silu_op")
-        x, w, b = _inputs((1, 96, 5, 7), torch.float32, 9)
-        torch.testing.assert_close(
-            mod.group_norm_silu(x, 32, w, b), gns.group_norm_silu_reference(x, 32, w, b)
-        )
-    finally:
-        for name in ("qt_no_triton._triton", "qt_no_triton.group_norm_silu"):
-            sys.modules.pop(name, None)
 
 
 # --- module wrapper ----------------------------------------------------------------------
@@ -279,13 +254,9 @@ def _random_norm(norm, seed):
 
 
 @pytest.fixture
-def kernel_only(monkeypatch):
-    """Fail if the wrapper falls back; inference runs without grad, as in ComfyUI."""
-
-    def _no_reference(*args, **kwargs):
-        raise AssertionError("fell back to the reference")
-
-    monkeypatch.setattr(gns, "group_norm_silu_reference", _no_reference)
+def kernel_only(kernel_only):
+    """Fail if the wrapper falls back (conftest's kernel_only); inference runs without grad,
+    as in ComfyUI."""
     with torch.no_grad():
         yield
 
@@ -327,7 +298,7 @@ def test_module_without_affine_and_bad_norm():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("shape", [(1, 128, 2048, 2048), (1, 512, 256, 256)])
 def test_vae_shapes_bf16_gpu(shape):
     g = torch.Generator(device="cuda").manual_seed(_seed(shape, "gpu"))
@@ -338,14 +309,12 @@ def test_vae_shapes_bf16_gpu(shape):
     out = group_norm_silu(x, 32, w, b, 1e-6)
     base = group_norm_silu_reference(x, 32, w, b, 1e-6)
     truth = group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-6)
-    err = (out.float() - truth).abs().max().item()
-    err_base = (base.float() - truth).abs().max().item()
-    assert err <= 2 * err_base + ATOL[torch.bfloat16], (err, err_base)
+    assert_error_rule(out, truth, base, ATOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_past_int32_offsets_gpu():
     # 128 x 4104 x 4104 = 2.156e9 elements > 2^31: the last groups sit past int32 offsets.
     shape = (1, 128, 4104, 4104)

@@ -7,26 +7,28 @@ Tolerance rule (flash-attention's): the kernel's max error against float64 may b
 twice the error of ComfyUI's own same-dtype ops, plus two ulps of the output's magnitude.
 """
 
-import importlib
-import importlib.util
-import logging
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from qwen_turbo.kernels import _triton
 from qwen_turbo.kernels import layernorm_modulate as mod
 from qwen_turbo.kernels.layernorm_modulate import (
     layernorm_modulate,
     layernorm_modulate_reference,
 )
+from tests.kernels.common import (
+    DTYPES,
+    assert_compiles_full_graph,
+    assert_cuda_graph_replays,
+    assert_error_rule,
+    assert_logged_once,
+    assert_logged_once_per_reason,
+    needs_cuda,
+    needs_triton,
+    ulps,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-LOGGER = _triton.__name__
-needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+OP = "layernorm_modulate"  # as the fallback log names it
+REFERENCES = (mod, "layernorm_modulate_reference")  # what `kernel_only` makes fail
 
 
 def _inputs(shape, dtype, seed, device="cpu", mean=3.0, std=2.0):
@@ -46,32 +48,7 @@ def _assert_close_to_fp64(out, x, shift, scale):
     assert not out.isnan().any()
     exact = layernorm_modulate_reference(x.double(), shift.double(), scale.double())
     eager = layernorm_modulate_reference(x, shift, scale)
-    err = (out.double() - exact).abs().max().item()
-    err_eager = (eager.double() - exact).abs().max().item()
-    atol = 2 * torch.finfo(x.dtype).eps * exact.abs().max().item()
-    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
-
-
-@pytest.fixture
-def kernel_only(monkeypatch):
-    """Make any fallback to the eager reference fail the test."""
-
-    def fail(*args, **kwargs):
-        raise AssertionError("fell back to the reference")
-
-    monkeypatch.setattr(mod, "layernorm_modulate_reference", fail)
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget which fallbacks were logged, and capture the log."""
-    monkeypatch.setattr(_triton, "_logged", set())
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    return caplog
-
-
-def _fallback_messages(caplog):
-    return [r.getMessage() for r in caplog.records if "layernorm_modulate:" in r.getMessage()]
+    assert_error_rule(out, exact, eager, ulps(2, x.dtype, exact))
 
 
 # (B, L, D): tiny and real widths (3072 is Qwen-Image's; 96 is not a power of 2), odd L.
@@ -197,9 +174,7 @@ def test_torch_compile_full_graph(kernel_only):
     def step(x):
         return layernorm_modulate(x, shift, scale) * 2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+    assert_compiles_full_graph(step, x)
 
 
 # Fallbacks: each branch of the dispatcher sends the call to the reference, logged once.
@@ -209,8 +184,7 @@ def _assert_falls_back(x, shift, scale, caplog, reason, fn=layernorm_modulate):
     out = fn(x, shift, scale)
     ref = layernorm_modulate_reference(x, shift, scale)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    messages = _fallback_messages(caplog)
-    assert len(messages) == 1 and reason in messages[0], messages
+    assert_logged_once(caplog, OP, reason)
 
 
 def test_fallback_env_switch(monkeypatch, fresh_log):
@@ -267,54 +241,33 @@ def test_no_grad_takes_the_kernel(kernel_only):
         _assert_close_to_fp64(layernorm_modulate(x, shift, scale), x, shift, scale)
 
 
-def test_fallback_device(monkeypatch, fresh_log):
+def test_fallback_device(no_interpreter, fresh_log):
     """Outside the interpreter, CPU tensors are not the kernel's."""
-    monkeypatch.setattr(_triton, "INTERPRET", False)
     x, shift, scale = _inputs((1, 3, 64), torch.float32, seed=0)
     _assert_falls_back(x, shift, scale, fresh_log, "tensors on cpu")
 
 
-def test_fallback_triton_unavailable(monkeypatch, fresh_log):
-    monkeypatch.setattr(_triton, "HAS_TRITON", False)
-    monkeypatch.setattr(_triton, "UNAVAILABLE", "Triton is not installed (test)")
+def test_fallback_triton_unavailable(triton_missing, fresh_log):
     x, shift, scale = _inputs((1, 3, 64), torch.bfloat16, seed=0)
     _assert_falls_back(x, shift, scale, fresh_log, "Triton is not installed")
 
 
-def test_module_imports_without_triton(monkeypatch, caplog):
+def test_module_imports_without_triton(without_triton, caplog):
     """A second copy of kernels/, imported with `import triton` failing, runs the reference."""
-    kernels = Path(mod.__file__).parent
-    pkg = "_qt_kernels_without_triton"
-    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    caplog.set_level(logging.INFO, logger=f"{pkg}._triton")
-    spec = importlib.util.spec_from_file_location(
-        pkg, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
-    )
-    try:
-        sys.modules[pkg] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[pkg])
-        copy = importlib.import_module(f"{pkg}.layernorm_modulate")
-        assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
-        x, shift, scale = _inputs((1, 3, 64), torch.bfloat16, seed=0)
-        _assert_falls_back(x, shift, scale, caplog, "not installed", fn=copy.layernorm_modulate)
-    finally:
-        for name in [n for n in sys.modules if n.startswith(pkg)]:
-            del sys.modules[name]
+    copy = without_triton("layernorm_modulate")
+    assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
+    x, shift, scale = _inputs((1, 3, 64), torch.bfloat16, seed=0)
+    _assert_falls_back(x, shift, scale, caplog, "not installed", fn=copy.layernorm_modulate)
 
 
 def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     x, shift, scale = _inputs((1, 3, 64), torch.float32, seed=0)
-    for _ in range(3):
-        layernorm_modulate(x, shift, scale)
-    layernorm_modulate(x.double(), shift, scale)  # same reason: the env switch comes first
-    assert len(_fallback_messages(fresh_log)) == 1
-    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
-    for _ in range(2):
-        layernorm_modulate(x.double(), shift.double(), scale.double())
-    messages = _fallback_messages(fresh_log)
-    assert len(messages) == 2 and "torch.float64" in messages[1], messages
+    x64_args = (x.double(), shift, scale)
+    all64_args = (x.double(), shift.double(), scale.double())
+    args = (x, shift, scale)
+    assert_logged_once_per_reason(
+        monkeypatch, fresh_log, OP, layernorm_modulate, args, x64_args, all64_args
+    )
 
 
 # ComfyUI's own block: img_norm1 + _modulate, the step the kernel replaces.
@@ -356,12 +309,8 @@ def test_matches_comfyui_block_norm1_modulate(dtype):
 def _gpu_check(out, x, shift, scale):
     """float32 stands in for float64 on the GPU: its error is far below bfloat16's."""
     exact = layernorm_modulate_reference(x.float(), shift.float(), scale.float())
-    err = (out.float() - exact).abs().max().item()
-    err_eager = (layernorm_modulate_reference(x, shift, scale).float() - exact).abs().max().item()
-    assert err <= 2 * err_eager + 2 * torch.finfo(x.dtype).eps * exact.abs().max().item(), (
-        err,
-        err_eager,
-    )
+    eager = layernorm_modulate_reference(x, shift, scale)
+    assert_error_rule(out, exact, eager, ulps(2, x.dtype, exact))
 
 
 @pytest.mark.gpu
@@ -394,16 +343,4 @@ def test_gpu_offsets_past_2_pow_31(kernel_only):
 @needs_cuda
 def test_gpu_cuda_graph_capture(kernel_only):
     x, shift, scale = _inputs((2, 4097, 3072), torch.bfloat16, seed=3, device="cuda")
-    expected = layernorm_modulate(x, shift, scale)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layernorm_modulate(x, shift, scale)  # warm up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = layernorm_modulate(x, shift, scale)
-    x.copy_(x.flip(1))
-    graph.replay()
-    torch.testing.assert_close(captured, layernorm_modulate(x, shift, scale), rtol=0, atol=0)
-    assert not torch.equal(captured, expected)
+    assert_cuda_graph_replays(lambda: layernorm_modulate(x, shift, scale), x, 1)

@@ -5,25 +5,28 @@ conftest), at a few ms a program, so sequences are short; the `gpu` case takes t
 24905-token sequence. Rotation tables come from ComfyUI's own EmbedND and Qwen-Image ids.
 """
 
-import importlib
-import importlib.util
-import logging
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qwen_turbo.kernels import _triton
 from qwen_turbo.kernels import qk_norm_rope as mod
 from qwen_turbo.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from tests.kernels.common import (
+    DTYPES,
+    assert_compiles_full_graph,
+    assert_cuda_graph_replays,
+    assert_error_rule,
+    assert_logged_once,
+    assert_logged_once_per_reason,
+    needs_cuda,
+    needs_triton,
+    ulps,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = ["bhld", "blhd"]
-LOGGER = _triton.__name__
-needs_triton = pytest.mark.skipif(not _triton.HAS_TRITON, reason="Triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+OP = "qk_norm_rope"  # as the fallback log names it
+REFERENCES = (mod, "qk_norm_rope_reference")  # what `kernel_only` makes fail
 
 
 def _axes(dh):
@@ -72,10 +75,7 @@ def _assert_close_to_fp64(out, x, weight, freqs, out_layout="bhld", eps=1e-6):
     assert not out.isnan().any()
     exact = qk_norm_rope_reference(x.double(), weight.double(), freqs.double(), eps, out_layout)
     eager = qk_norm_rope_reference(x, weight, freqs, eps, out_layout)
-    err = (out.double() - exact).abs().max().item()
-    err_eager = (eager.double() - exact).abs().max().item()
-    atol = torch.finfo(x.dtype).eps * exact.abs().max().item()
-    assert err <= 2 * err_eager + atol, (err, err_eager, atol)
+    assert_error_rule(out, exact, eager, ulps(1, x.dtype, exact))
 
 
 def _poisoned(x, out_layout):
@@ -86,28 +86,6 @@ def _poisoned(x, out_layout):
         return buf, buf.transpose(1, 2)
     buf = torch.full((b, seq, h, dh), float("nan"), dtype=x.dtype)
     return buf, buf
-
-
-@pytest.fixture
-def kernel_only(monkeypatch):
-    """Make any fallback to the eager reference fail the test."""
-
-    def fail(*args, **kwargs):
-        raise AssertionError("fell back to the reference")
-
-    monkeypatch.setattr(mod, "qk_norm_rope_reference", fail)
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget which fallbacks were logged, and capture the log."""
-    monkeypatch.setattr(_triton, "_logged", set())
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    return caplog
-
-
-def _fallback_messages(caplog):
-    return [r.getMessage() for r in caplog.records if "qk_norm_rope" in r.getMessage()]
 
 
 # (B, L, H, Dh, layout): Qwen-Image's 24 heads of 128 (3 programs a token) and 2 heads (one
@@ -284,9 +262,7 @@ def test_torch_compile_full_graph(kernel_only):
     def block(x):
         return qk_norm_rope(x, weight, freqs) * 2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+    assert_compiles_full_graph(block, x)
 
 
 # Fallbacks: each branch of the dispatcher sends the call to the reference, logged once.
@@ -297,7 +273,7 @@ def _assert_falls_back(x, weight, freqs, caplog, reason, fn=qk_norm_rope):
     ref = qk_norm_rope_reference(x, weight, freqs)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert out.is_contiguous()
-    _assert_logged(caplog, reason)
+    assert_logged_once(caplog, OP, reason)
 
 
 def _rotations(shape, seed=0):
@@ -305,11 +281,6 @@ def _rotations(shape, seed=0):
     angle = torch.randn(shape[:-2], generator=torch.Generator().manual_seed(seed))
     rot = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], dim=-1)
     return rot.reshape(shape)
-
-
-def _assert_logged(caplog, reason):
-    messages = _fallback_messages(caplog)
-    assert len(messages) == 1 and reason in messages[0], messages
 
 
 def test_fallback_env_switch(monkeypatch, fresh_log):
@@ -347,7 +318,7 @@ def test_fallback_odd_head_size(fresh_log):
     x = torch.randn(1, 3, 2, 5, generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError):
         qk_norm_rope(x, torch.ones(5), _rotations((1, 3, 1, 2, 2, 2)))
-    _assert_logged(fresh_log, "head size 5 is odd")
+    assert_logged_once(fresh_log, OP, "head size 5 is odd")
 
 
 def test_fallback_weight_shape(fresh_log):
@@ -384,14 +355,14 @@ def test_fallback_freqs_mismatch(fresh_log, shape, reason):
     freqs = _rotations(shape)
     with pytest.raises(RuntimeError):
         qk_norm_rope(x, weight, freqs)
-    _assert_logged(fresh_log, reason)
+    assert_logged_once(fresh_log, OP, reason)
 
 
 def test_fallback_freqs_on_another_device(fresh_log):
     x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
     with pytest.raises((RuntimeError, NotImplementedError)):
         qk_norm_rope(x, weight, freqs.to("meta"))
-    _assert_logged(fresh_log, "freqs is on meta")
+    assert_logged_once(fresh_log, OP, "freqs is on meta")
 
 
 def test_fallback_autograd(fresh_log):
@@ -402,9 +373,8 @@ def test_fallback_autograd(fresh_log):
     assert weight.grad is not None and torch.isfinite(weight.grad).all()
 
 
-def test_fallback_device(monkeypatch, fresh_log):
+def test_fallback_device(no_interpreter, fresh_log):
     """Outside the interpreter, CPU tensors are not the kernel's."""
-    monkeypatch.setattr(_triton, "INTERPRET", False)
     x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
     _assert_falls_back(x, weight, freqs, fresh_log, "tensors on cpu")
 
@@ -415,40 +385,20 @@ def test_fallback_triton_unavailable(monkeypatch, fresh_log):
     _assert_falls_back(x, weight, freqs, fresh_log, "Triton is not installed")
 
 
-def test_module_imports_without_triton(monkeypatch, caplog):
+def test_module_imports_without_triton(without_triton, caplog):
     """A second copy of kernels/, imported with `import triton` failing, runs the reference."""
-    kernels = Path(mod.__file__).parent
-    pkg = "_qt_kernels_without_triton_qk"
-    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    caplog.set_level(logging.INFO, logger=f"{pkg}._triton")
-    spec = importlib.util.spec_from_file_location(
-        pkg, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
-    )
-    try:
-        sys.modules[pkg] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[pkg])
-        copy = importlib.import_module(f"{pkg}.qk_norm_rope")
-        assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
-        x, weight, freqs = _inputs((1, 1, 2, 64), torch.bfloat16, seed=0)
-        _assert_falls_back(x, weight, freqs, caplog, "not installed", fn=copy.qk_norm_rope)
-    finally:
-        for name in [n for n in sys.modules if n.startswith(pkg)]:
-            del sys.modules[name]
+    copy = without_triton("qk_norm_rope")
+    assert not copy.HAS_TRITON and not hasattr(copy, "_launch")
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.bfloat16, seed=0)
+    _assert_falls_back(x, weight, freqs, caplog, "not installed", fn=copy.qk_norm_rope)
 
 
 def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=0)
-    for _ in range(3):
-        qk_norm_rope(x, weight, freqs)
-    qk_norm_rope(x.double(), weight, freqs)  # same reason: the env switch is checked first
-    assert len(_fallback_messages(fresh_log)) == 1
-    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
-    for _ in range(2):
-        qk_norm_rope(x.double(), weight, freqs)
-    messages = _fallback_messages(fresh_log)
-    assert len(messages) == 2 and "torch.float64" in messages[1], messages
+    x64_args = (x.double(), weight, freqs)
+    assert_logged_once_per_reason(
+        monkeypatch, fresh_log, OP, qk_norm_rope, (x, weight, freqs), x64_args, x64_args
+    )
 
 
 # Against ComfyUI's real Attention module: its q and k, as they reach attention.
@@ -532,26 +482,12 @@ def test_gpu_real_size_bf16(kernel_only, out_layout):
     args = (weight.float(), freqs.float(), 1e-6, out_layout)
     exact = qk_norm_rope_reference(x.float(), *args)
     eager = qk_norm_rope_reference(x, weight, freqs, 1e-6, out_layout)
-    err = (out.float() - exact).abs().max().item()
-    err_eager = (eager.float() - exact).abs().max().item()
     assert out.shape == eager.shape and out.is_contiguous()
-    assert err <= 2 * err_eager + 1e-2, (err, err_eager)
+    assert_error_rule(out, exact, eager, 1e-2)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_cuda_graph_capture(kernel_only):
     x, weight, freqs = _inputs((1, 263, 24, 128), torch.bfloat16, seed=19, device="cuda")
-    expected = qk_norm_rope(x, weight, freqs)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        qk_norm_rope(x, weight, freqs)  # warm up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = qk_norm_rope(x, weight, freqs)
-    x.copy_(x.flip(1))
-    graph.replay()
-    torch.testing.assert_close(captured, qk_norm_rope(x, weight, freqs), rtol=0, atol=0)
-    assert not torch.equal(captured, expected)
+    assert_cuda_graph_replays(lambda: qk_norm_rope(x, weight, freqs), x, 1)
