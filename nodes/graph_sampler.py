@@ -1,6 +1,5 @@
 """CUDA Graph Sampler: KSampler whose model forwards replay captured CUDA graphs."""
 
-import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import comfy.samplers
 from comfy_api.latest import io
@@ -85,7 +84,7 @@ class CUDAGraphSampler(io.ComfyNode):
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
         latent_image, denoise=1.0, capture=CAPTURE_MODES[0],
     ) -> io.NodeOutput:  # fmt: skip
-        if capture != "off" and mm.get_torch_device().type == "cuda":
+        if capture != "off" and model.load_device.type == "cuda":
             model = with_cuda_graphs(model)
         latent = comfy_nodes.common_ksampler(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
