@@ -279,10 +279,11 @@ def plan_decode(
         elif fits(h, w, 0):
             th, tw = h, w
         else:
-            # the largest tile that fits: squares, or full-width strips when reading from host
+            # the largest tile that fits: squares, or full-width strips where a tensor on the
+            # host is read or written, so each strip is one contiguous copy
 
             def tile(t):
-                return min(t, h), (min(t, w) if resident else w)
+                return min(t, h), (min(t, w) if resident and on_device else w)
 
             lo, hi = MIN_TILE, max(h, w)
             while lo < hi:
@@ -315,6 +316,32 @@ def plan_decode(
 # ---------------------------------------------------------------- execution
 
 
+def _host_buffer(like: torch.Tensor, h: int, w: int, device) -> torch.Tensor:
+    """A host tensor of shape (*lead, h, w) stored rows first, so that full-width row strips
+    are contiguous (one DMA each, pinned when the device is a GPU)."""
+    pin = torch.device(device).type == "cuda"
+    buf = torch.empty(h, *like.shape[:-2], w, dtype=like.dtype, pin_memory=pin)
+    return buf.movedim(0, -2)
+
+
+def _rows(t: torch.Tensor, a0: int, a1: int, b0: int, b1: int, device) -> torch.Tensor:
+    """t[..., a0:a1, b0:b1] on `device`; a strip of a host buffer moves as one block."""
+    if t.device.type == "cpu" and b0 == 0 and b1 == t.shape[-1]:
+        strip = t.movedim(-2, 0)[a0:a1]
+        if strip.is_contiguous():
+            return strip.to(device).movedim(0, -2)
+    return t[..., a0:a1, b0:b1].to(device)
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor, y0: int, y1: int, x0: int, x1: int) -> None:
+    if dst.device.type == "cpu" and x0 == 0 and x1 == dst.shape[-1]:
+        strip = dst.movedim(-2, 0)[y0:y1]
+        if strip.is_contiguous():
+            strip.copy_(src.movedim(-2, 0))
+            return
+    dst[..., y0:y1, x0:x1] = src
+
+
 def _run_chain(chain: Chain, x: State, device, tick) -> State:
     h, w = x[0].shape[-2:]
     s, halo = chain.scale, chain.halo
@@ -322,29 +349,26 @@ def _run_chain(chain: Chain, x: State, device, tick) -> State:
     for y0, y1, x0, x1 in chain.tiles:
         a0, a1 = max(0, y0 - halo), min(h, y1 + halo)
         b0, b1 = max(0, x0 - halo), min(w, x1 + halo)
-        crop = tuple(t[..., a0:a1, b0:b1].to(device) for t in x)
+        crop = tuple(_rows(t, a0, a1, b0, b1, device) for t in x)
         for op in chain.ops:
             crop = op.fn(*crop)
         ya, xa = (y0 - a0) * s, (x0 - b0) * s
         inner = [t[..., ya : ya + (y1 - y0) * s, xa : xa + (x1 - x0) * s] for t in crop]
-        if len(chain.tiles) == 1:
-            out = tuple(inner)
-        else:
-            if out is None:
-                store = device if chain.store_on_device else "cpu"
-                pin = not chain.store_on_device and torch.device(device).type == "cuda"
+        if out is None:
+            if chain.store_on_device and len(chain.tiles) == 1:
+                out = tuple(inner)
+            elif chain.store_on_device:
                 out = tuple(
-                    torch.empty(
-                        *t.shape[:-2], h * s, w * s, dtype=t.dtype, device=store, pin_memory=pin
-                    )
+                    torch.empty(*t.shape[:-2], h * s, w * s, dtype=t.dtype, device=device)
                     for t in inner
                 )
+            else:
+                out = tuple(_host_buffer(t, h * s, w * s, device) for t in inner)
+        if out[0] is not inner[0]:
             for o, t in zip(out, inner, strict=True):
-                o[..., y0 * s : y1 * s, x0 * s : x1 * s] = t
+                _write(o, t, y0 * s, y1 * s, x0 * s, x1 * s)
         del crop, inner
         tick()
-    if not chain.store_on_device:
-        out = tuple(t.to("cpu") for t in out)
     return out
 
 
@@ -352,7 +376,7 @@ def _run_stats(op: Stats, rows: int, x: State, device) -> None:
     t = x[op.index]
     acc = None
     for r0 in range(0, t.shape[-2], rows):
-        m = group_moments(t[..., r0 : r0 + rows, :].to(device), op.norm.num_groups)
+        m = group_moments(_rows(t, r0, r0 + rows, 0, t.shape[-1], device), op.norm.num_groups)
         acc = m if acc is None else merge_moments(acc, m)
     op.mean, op.rstd = finalize_moments(acc, op.norm.eps)
 
