@@ -10,12 +10,10 @@ multiply-adds drop from 36 to 16 per output pair (2.25x fewer).
 The phase convolution runs through `F.conv2d` (cuDNN on GPU), so this op needs no Triton.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from ._triton import log_fallback_once
+from ._triton import disabled, log_fallback_once
 
 # Row (and column) combination of the 3x3 taps into 2x2 taps, for phase 0 and phase 1.
 _COMBINE = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
@@ -67,7 +65,7 @@ def _(x, weight4, bias):
 
 
 def _unsupported(x, weight, bias) -> str | None:
-    if os.environ.get("QWEN_TURBO_DISABLE_KERNELS", "") not in ("", "0"):
+    if disabled():
         return "disabled by QWEN_TURBO_DISABLE_KERNELS"
     if x.ndim != 4:
         return f"{x.ndim}-D input"
@@ -98,7 +96,8 @@ class UpsampleConv3x3(torch.nn.Module):
     """Replaces `Sequential(Upsample(2x nearest), Conv2d(3x3, padding 1))` or a VAE `Upsample`.
 
     Holds the original conv (its parameters are shared, not copied). The phase weights are
-    rebuilt per call: a few microseconds, and never stale when weights are patched in place.
+    built once per weight storage, device and dtype (and version, where the weight is not an
+    inference tensor), not once per call: a tiled decode calls this once per tile.
     """
 
     def __init__(self, conv: torch.nn.Conv2d, fallback: torch.nn.Module):
@@ -106,10 +105,16 @@ class UpsampleConv3x3(torch.nn.Module):
         self.conv = conv
         self.fallback = fallback  # the original module, for inputs this op does not take
         self.with_conv = True  # read by code that inspects a VAE `Upsample`
+        self._phases = None  # (key, phase weights)
 
     def forward(self, x):
         if x.ndim != 4:
             return self.fallback(x)
-        w = self.conv.weight.to(x)
+        p = self.conv.weight
+        w = p.to(x)
         b = None if self.conv.bias is None else self.conv.bias.to(x)
-        return upsample_conv3x3(x, w, b)
+        # inference tensors carry no version counter; ComfyUI never patches VAE weights in place
+        key = (p.data_ptr(), x.device, x.dtype, None if p.is_inference() else p._version)
+        if self._phases is None or self._phases[0] != key:
+            self._phases = (key, phase_weights(w))
+        return upsample_conv3x3(x, w, b, self._phases[1])

@@ -5,10 +5,9 @@ import logging
 
 from comfy_api.latest import io
 
-from ..runtime import vae_patches
+from ..runtime import log_once, vae_patches
 
 log = logging.getLogger(__name__)
-_logged: set[tuple[str, str]] = set()
 
 
 def patched_vae(vae, find):
@@ -20,9 +19,7 @@ def patched_vae(vae, find):
     vae.throw_exception_if_invalid()
     patches, skipped = find(vae.first_stage_model, vae.patcher.object_patches_backup)
     for path, why in skipped:
-        if (path, why) not in _logged:
-            _logged.add((path, why))
-            log.info("Qwen Turbo: left %s as it is: %s", path, why)
+        log_once(log, logging.INFO, f"Qwen Turbo: left {path} as it is: {why}")
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     for path, module in patches.items():

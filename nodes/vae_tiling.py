@@ -7,17 +7,14 @@ import comfy.utils
 import torch
 from comfy_api.latest import io
 
-from ..runtime import vae_tiling
+from ..runtime import log_once, vae_tiling
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
-_warned: set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
+    log_once(log, logging.WARNING, msg)
 
 
 def _auto_budget(device) -> int:
