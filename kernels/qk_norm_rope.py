@@ -220,6 +220,14 @@ if HAS_TRITON:
     def _(x, weight, freqs, eps, out_layout):
         return x.new_empty(_out_shape(x, out_layout))
 
+    @torch.library.custom_op("qwen_turbo::qk_norm_rope_into", mutates_args=("out",))
+    def _qk_norm_rope_into_op(
+        x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, out: torch.Tensor
+    ) -> None:
+        if freqs.stride()[-3:] != (4, 2, 1):
+            freqs = freqs.contiguous()
+        _launch(x, weight.contiguous(), freqs, eps, out)
+
 
 def _why_not(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor) -> str | None:
     """Why the Triton path cannot take this call, or None when it can."""
@@ -272,3 +280,19 @@ def qk_norm_rope(
         log_fallback_once(OP, reason)
         return qk_norm_rope_reference(x, weight, freqs, eps, out_layout)
     return _qk_norm_rope_op(x, weight.to(x), freqs, eps, out_layout)
+
+
+def qk_norm_rope_into(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, out: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """`qk_norm_rope` written into `out`, a (B, L, H, Dh) view of any strides in x's dtype: for
+    example the text or image rows of a joint (B, L_txt + L_img, H, Dh) buffer, so the two
+    streams need no concatenation afterwards. Returns out."""
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, x is {tuple(x.shape)} {x.dtype}")
+    reason = _why_not(x, weight, freqs) or grad_reason(out)
+    if reason is not None:
+        log_fallback_once(OP, reason)
+        return out.copy_(qk_norm_rope_reference(x, weight, freqs, eps, "blhd"))
+    _qk_norm_rope_into_op(x, weight.to(x), freqs, eps, out)
+    return out

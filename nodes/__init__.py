@@ -4,10 +4,12 @@ from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
 from .graph_sampler import CUDAGraphSampler
+from .loader import Loader
 from .vae_patches import FusedNormPatch, TextureUpsample
 from .vae_tiling import VAEDecodeTiled
 
 NODES: list[type[io.ComfyNode]] = [
+    Loader,
     CUDAGraphSampler,
     FusedNormPatch,
     TextureUpsample,

@@ -5,6 +5,7 @@ names and shapes; the weights come from a seeded generator. Files are cached out
 repo, under $QWEN_TURBO_CACHE or ~/.cache/qwen-turbo/test-models, keyed by name.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -65,13 +66,19 @@ def sd_vae_module(z_channels: int = 4):
         return AutoencoderKL(ddconfig=ddconfig, embed_dim=z_channels)
 
 
-def qwen_dit_module(num_layers: int = 1):
-    """Qwen-Image's MMDiT at full width (3072, 24 heads, text 3584) with few blocks."""
+# A narrow Qwen-Image DiT: 4 heads of 32 (width 128), text width 64, RoPE (4, 14, 14).
+NARROW = dict(
+    attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(4, 14, 14)
+)
+
+
+def qwen_dit_module(num_layers: int = 1, **config):
+    """Qwen-Image's MMDiT, by default at full width (3072, 24 heads, text 3584), few blocks."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(
-        num_layers=num_layers, device="meta", operations=comfy.ops.disable_weight_init
+        num_layers=num_layers, device="meta", operations=comfy.ops.disable_weight_init, **config
     )
 
 
@@ -96,6 +103,38 @@ def qwen_dit_file(seed: int = 0, num_layers: int = 1) -> Path:
         seed,
         torch.bfloat16,
     )
+
+
+def qwen_dit_narrow_file(seed: int = 0, num_layers: int = 2) -> Path:
+    return _cached(
+        f"qwen_image_dit_narrow_{num_layers}layer_random",
+        lambda: qwen_dit_module(num_layers, **NARROW),
+        seed,
+        torch.bfloat16,
+    )
+
+
+def diffusers_folder(file: Path, root: Path, shards: int = 2) -> Path:
+    """`file` re-published in the diffusers layout under root/<name>/transformer: config.json
+    (the narrow config), the tensors split over `shards` safetensors files, and the index."""
+    sd = load_file(str(file))
+    folder = root / file.stem / "transformer"
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = sorted(sd)
+    weight_map = {}
+    for i in range(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = keys[i::shards]
+        save_file({k: sd[k] for k in part}, str(folder / name))
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    config = {"_class_name": "QwenImageTransformer2DModel", "patch_size": 2, "in_channels": 64,
+              "out_channels": 16, "num_layers": len({k.split(".")[1] for k in keys
+                                                     if k.startswith("transformer_blocks.")}),
+              **NARROW, "axes_dims_rope": list(NARROW["axes_dims_rope"])}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder.parent
 
 
 def load_vae(path: Path):

@@ -1,0 +1,181 @@
+"""fp8 linear with per-row activation scales: the `fp8_e4m3fn_fast` GEMM of the Optimized Loader.
+
+Weights are float8_e4m3fn with one float32 scale per tensor (`scale_weight`, as in ComfyUI's
+scaled-fp8 checkpoints: w = w_fp8 * scale_weight). Each activation row gets its own scale,
+amax(row) / 448, so one large token cannot crush the resolution of the others (a per-tensor
+activation scale, what ComfyUI's fp8_linear uses, does). Then
+
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=(M, 1), scale_b=(1, N), bias) in x's dtype
+
+`quantize_rows` computes the scales and the fp8 rows in one pass (Triton: one program per row
+holding it in registers), optionally applying GELU-tanh first, so the MLP's second linear
+takes the first one's raw output and the activation costs no extra pass.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
+
+OP = "fp8_linear"
+OP_QUANT = "quantize_rows"
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Smallest scale: an all-zero row quantizes to zeros instead of 0/0.
+MIN_SCALE = 1e-12
+# Widest row one program holds in registers (Qwen-Image's MLP: 12288).
+MAX_K = 16384
+IN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (M, K) float. Returns (x_fp8 (M, K) float8_e4m3fn, scale (M, 1) float32) with
+    x ~= x_fp8 * scale; with `gelu`, of gelu_tanh(x) (in float32, from x as given)."""
+    x = x.float()
+    if gelu:
+        x = gelu_tanh(x)
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gelu_input: bool = False,
+) -> torch.Tensor:
+    """ComfyUI's scaled-fp8 compute: F.linear(x, weight.to(x.dtype) * scale_weight, bias), in
+    x's dtype (bf16 activations, fp8 only as storage); with `gelu_input`, of gelu_tanh(x).
+
+    x: (..., K); weight: (N, K) float8_e4m3fn (or any float); scale_weight: float32 scalar
+    tensor; bias: (N,) or None. This is also the path for GPUs without fp8 GEMMs.
+    """
+    if gelu_input:
+        x = gelu_tanh(x)
+    w = weight.to(x.dtype) * scale_weight.to(device=x.device, dtype=x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, s_ptr, K, sx_m, sq_m, GELU: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """One program: one row of x (unit stride along K) to fp8 plus its float32 scale."""
+        row = tl.program_id(0).to(tl.int64)  # int64: M * K passes 2^31 at 2512^2 (3e8 x 12288)
+        offs = tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = tl.load(x_ptr + row * sx_m + offs, mask=mask, other=0.0).to(tl.float32)
+        if GELU:
+            # gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi)(x + 0.044715 x^3)
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            x = x * tl.sigmoid(2.0 * u)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * sq_m + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    @torch.library.custom_op("qwen_turbo::quantize_rows", mutates_args=())
+    def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = x.shape
+        q = torch.empty((m, k), dtype=FP8, device=x.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        if m:
+            block_k = triton.next_power_of_2(k)
+            _quantize_rows_kernel[(m,)](
+                x, q, s, k, x.stride(0), q.stride(0),
+                GELU=gelu, BLOCK_K=block_k, num_warps=16 if block_k >= 8192 else 8,
+            )  # fmt: skip
+        return q, s
+
+    @_quantize_rows_op.register_fake
+    def _(x, gelu):
+        m, k = x.shape
+        return x.new_empty((m, k), dtype=FP8), x.new_empty((m, 1), dtype=torch.float32)
+
+
+def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization of x: (M, K) bfloat16/float16/float32 with unit stride along K.
+
+    Returns (x_fp8 (M, K) float8_e4m3fn, scale (M, 1) float32), x ~= x_fp8 * scale, the scale
+    amax(row) / 448 (at least 1e-12). With `gelu`, of gelu_tanh(x) computed in float32.
+    Uses the eager reference without Triton, off CUDA, for K > MAX_K or under autograd.
+    """
+    reason = unsupported(x)
+    if reason is None and x.dtype not in (*IN_DTYPES, torch.float32):
+        reason = f"dtype {x.dtype} is not supported"
+    if reason is None and x.ndim != 2:
+        reason = f"x has shape {tuple(x.shape)}, not (M, K)"
+    if reason is None and x.shape[1] > MAX_K:
+        reason = f"K = {x.shape[1]} is wider than the kernel's row ({MAX_K})"
+    reason = reason or grad_reason(x)
+    if reason is not None:
+        log_fallback_once(OP_QUANT, reason)
+        return quantize_rows_reference(x, gelu)
+    return _quantize_rows_op(x if x.stride(1) == 1 else x.contiguous(), gelu)
+
+
+def fp8_gemm_reason(device: torch.device) -> str | None:
+    """Why this device cannot run fp8 GEMMs (torch._scaled_mm with row-wise scales), or None."""
+    if device.type != "cuda":
+        return f"fp8 GEMMs need a CUDA GPU, not {device.type}"
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"compute capability {cap[0]}.{cap[1]} has no fp8 tensor cores (needs 8.9+)"
+    return None
+
+
+def _why_not(x, weight, scale_weight, bias) -> str | None:
+    reason = fp8_gemm_reason(x.device)
+    if reason is not None:
+        return reason
+    if x.dtype not in IN_DTYPES:
+        return f"activation dtype {x.dtype} is not bfloat16 or float16"
+    if weight.dtype != FP8:
+        return f"weight dtype {weight.dtype} is not float8_e4m3fn"
+    n, k = weight.shape
+    if k % 16 or n % 16:
+        return f"weight shape ({n}, {k}) is not a multiple of 16"
+    if scale_weight.numel() != 1:
+        return "scale_weight is not one value per tensor"
+    return grad_reason(x, weight, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gelu_input: bool = False,
+) -> torch.Tensor:
+    """F.linear(x, weight * scale_weight, bias) as an fp8 GEMM with per-row activation scales.
+
+    x: (..., K) bfloat16 or float16 (the output dtype); weight: (N, K) float8_e4m3fn on x's
+    device, N and K multiples of 16; scale_weight: one float32 value; bias: (N,) or None.
+    With `gelu_input`, computes the linear of gelu_tanh(x) (the activation fused into the
+    quantization). Off an fp8-capable GPU (or for other dtypes/shapes, or under autograd) it
+    uses `fp8_linear_reference`: bf16 compute on the dequantized weight.
+    """
+    reason = _why_not(x, weight, scale_weight, bias)
+    if reason is not None:
+        log_fallback_once(OP, reason)
+        return fp8_linear_reference(x, weight, scale_weight, bias, gelu_input)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    xq, scale_a = quantize_rows(x.reshape(math.prod(lead), k), gelu_input)
+    scale_b = scale_weight.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(1, n)
+    out = torch._scaled_mm(
+        xq, weight.t(), scale_a=scale_a, scale_b=scale_b.contiguous(),
+        bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype,
+    )  # fmt: skip
+    return out.reshape(*lead, n)

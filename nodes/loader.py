@@ -1,0 +1,63 @@
+"""Optimized Loader: the Qwen-Image DiT with config from its weights, fp8, attention and fused
+blocks; a plain MODEL for every stock node."""
+
+from comfy_api.latest import io
+
+from ..runtime import qwen_dit, qwen_loader
+
+
+class Loader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="QwenTurboLoader",
+            display_name="Optimized Loader",
+            category="QwenTurbo",
+            description=(
+                "Loads a Qwen-Image DiT (a single file, or a diffusers folder) with width, "
+                "heads, layers and text width read from the weights, and makes its forward "
+                "faster: fused block kernels, fp8 weights or fp8 GEMMs, the attention backend "
+                "of your choice. The output is a plain MODEL: LoRAs, ModelSamplingAuraFlow, "
+                "KSampler and offloading work as with UNETLoader."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "unet_name", options=qwen_loader.model_names(),
+                    tooltip="A file in models/diffusion_models (UNETLoader's list), or a "
+                    "diffusers folder there holding transformer/config.json and its shards.",
+                ),
+                io.Combo.Input(
+                    "weight_dtype", options=qwen_loader.WEIGHT_DTYPES, default="auto",
+                    tooltip="auto: fp8 storage for fp8 files, else bf16. bf16: 38 GiB of "
+                    "weights, the reference. fp8_e4m3fn: half the VRAM, bf16 compute, small "
+                    "error. fp8_e4m3fn_fast: fp8 GEMMs with per-row activation scales (GPUs "
+                    "with fp8 tensor cores: Ada, Hopper, Blackwell), fastest, error up to ~5%.",
+                ),
+                io.Combo.Input(
+                    "attention", options=qwen_loader.ATTENTION, default="auto",
+                    tooltip="auto: ComfyUI's attention (its launch flags decide). sdpa: "
+                    "PyTorch SDPA with cuDNN first, the fastest on Hopper. flash: PyTorch's "
+                    "FlashAttention-2 first.",
+                ),
+                io.Boolean.Input(
+                    "fused_kernels", default=True,
+                    tooltip="Run each transformer block with fused LayerNorm+modulation, "
+                    "gated residual, q/k RMSNorm+RoPE and GELU kernels: less memory traffic, "
+                    "same result within rounding. Falls back to PyTorch without Triton.",
+                ),
+                io.Combo.Input(
+                    "compile", options=qwen_loader.COMPILE, default="off",
+                    tooltip="regional: torch.compile each transformer block (compiles once, "
+                    "a minute or two on the first run; recompiles for new sizes).",
+                ),
+            ],
+            outputs=[io.Model.Output(tooltip="The diffusion model, for any sampler node.")],
+        )  # fmt: skip
+
+    @classmethod
+    def execute(cls, unet_name, weight_dtype, attention, fused_kernels, compile) -> io.NodeOutput:
+        try:
+            model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
+        except qwen_dit.NotQwenImageDiT as e:
+            raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
+        return io.NodeOutput(model)

@@ -1,0 +1,301 @@
+"""The Qwen-Image DiT: config read from the weights, diffusers-layout folders, fp8 weights with
+per-tensor scales, and the fused transformer block. Pure torch; never imports ComfyUI.
+
+Key names are ComfyUI's (`transformer_blocks.N.attn.to_q.weight`, ...), which are also the
+diffusers names, so a diffusers `transformer/` folder loads without renaming.
+"""
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.fp8_linear import FP8, FP8_MAX
+from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
+from ..kernels.layernorm_modulate import layernorm_modulate
+from ..kernels.linear_gelu import linear_gelu
+from ..kernels.qk_norm_rope import qk_norm_rope_into
+
+# Prefixes a DiT may carry inside a whole checkpoint; stripped before reading the config.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+REQUIRED = ("img_in.weight", "txt_in.weight", "txt_norm.weight", "proj_out.weight")
+PATCH = 2  # the model's process_img hard-codes 2x2 patches
+# Other families, by a key only they have: to say what a wrong file is.
+FAMILIES = (
+    ("double_blocks.0.img_attn.qkv.weight", "a Flux DiT"),
+    ("joint_blocks.0.context_block.attn.qkv.weight", "an SD3 MMDiT"),
+    ("input_blocks.0.0.weight", "an SD/SDXL UNet"),
+    ("cap_embedder.0.weight", "a Lumina-2 / NewBie DiT"),
+    ("blocks.0.self_attn.q.weight", "a Wan video DiT"),
+    ("decoder.conv_in.weight", "a VAE"),
+    ("decoder.middle.0.residual.0.gamma", "a Wan / Qwen-Image VAE"),
+    ("model.layers.0.self_attn.q_proj.weight", "a text encoder (Qwen2.5-VL / LLM)"),
+    ("lora_unet_", "a LoRA"),
+    (".lora_A.weight", "a LoRA"),
+    (".lora_down.weight", "a LoRA"),
+)
+
+
+class NotQwenImageDiT(ValueError):
+    """The checkpoint is not a Qwen-Image DiT; the message says what it looks like."""
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """QwenImageTransformer2DModel's constructor arguments, as read from a checkpoint."""
+
+    in_channels: int
+    out_channels: int
+    num_layers: int
+    attention_head_dim: int
+    num_attention_heads: int
+    joint_attention_dim: int
+    axes_dims_rope: tuple[int, int, int]
+    patch_size: int = PATCH
+
+    @property
+    def width(self) -> int:
+        return self.attention_head_dim * self.num_attention_heads
+
+    def unet_config(self) -> dict:
+        return {"image_model": "qwen_image", **asdict(self)}
+
+
+def describe(keys) -> str:
+    """What a state dict with these keys looks like, for error messages."""
+    keys = list(keys)
+    for marker, family in FAMILIES:
+        if any(marker in k for k in keys):
+            return f"{family} ({len(keys)} tensors, e.g. {marker!r})"
+    shown = ", ".join(repr(k) for k in keys[:3])
+    return f"{len(keys)} tensors with no Qwen-Image DiT keys (first: {shown})"
+
+
+def strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The DiT's own keys: a known checkpoint prefix removed where most keys carry it."""
+    for prefix in PREFIXES:
+        if sum(k.startswith(prefix) for k in sd) > len(sd) // 2:
+            return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    return sd
+
+
+def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Qwen-Image's (16, 56, 56) split of a 128-wide head, scaled to `head_dim` (even parts)."""
+    frame = max(2, 2 * round(head_dim / 16))
+    side = (head_dim - frame) // 2
+    return (head_dim - 2 * side, side, side)
+
+
+def read_config(sd: dict[str, torch.Tensor], rope_axes=None) -> DiTConfig:
+    """Width, heads, layers, text width and channels from the tensors' shapes.
+
+    `rope_axes` (from a diffusers config.json) must sum to the head size; without it the
+    stock split is scaled to the head size. Raises NotQwenImageDiT naming what was found.
+    """
+    missing = [k for k in REQUIRED if k not in sd]
+    norm_q = "transformer_blocks.0.attn.norm_q.weight"
+    if missing or norm_q not in sd:
+        raise NotQwenImageDiT(
+            f"not a Qwen-Image DiT: no {(missing or [norm_q])[0]!r}; found {describe(sd)}"
+        )
+    width, in_channels = sd["img_in.weight"].shape
+    head_dim = sd[norm_q].shape[0]
+    blocks = {int(m.group(1)) for k in sd if (m := re.match(r"transformer_blocks\.(\d+)\.", k))}
+    if blocks != set(range(len(blocks))):
+        raise NotQwenImageDiT(f"transformer_blocks are not numbered 0..N-1: {sorted(blocks)}")
+    if width % head_dim:
+        raise NotQwenImageDiT(f"width {width} is not a multiple of the head size {head_dim}")
+    axes = tuple(rope_axes) if rope_axes else default_rope_axes(head_dim)
+    if len(axes) != 3 or sum(axes) != head_dim or any(a % 2 for a in axes):
+        raise NotQwenImageDiT(f"RoPE axes {axes} do not split the head size {head_dim}")
+    return DiTConfig(
+        in_channels=in_channels,
+        out_channels=sd["proj_out.weight"].shape[0] // PATCH**2,
+        num_layers=len(blocks),
+        attention_head_dim=head_dim,
+        num_attention_heads=width // head_dim,
+        joint_attention_dim=sd["txt_in.weight"].shape[1],
+        axes_dims_rope=axes,
+    )
+
+
+def diffusers_folder(path: Path) -> Path | None:
+    """The diffusers transformer folder at `path` (itself or its `transformer/`), or None."""
+    for folder in (path / "transformer", path):
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
+def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, config.json) of a diffusers transformer folder: sharded safetensors with an
+    index (`*.safetensors.index.json`), or one safetensors file."""
+    from diffusers import ConfigMixin
+    from safetensors.torch import load_file
+
+    config = ConfigMixin.load_config(str(folder))
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        shards = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{folder} has config.json but no .safetensors weights")
+    sd = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise FileNotFoundError(f"{folder / shard} is listed in the index but missing")
+        sd.update(load_file(str(folder / shard)))
+    return sd, config
+
+
+def is_linear_weight(key: str, t: torch.Tensor) -> bool:
+    """Every 2-D `.weight` of the Qwen-Image DiT belongs to a Linear."""
+    return key.endswith(".weight") and t.ndim == 2
+
+
+def to_scaled_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Linear weights as float8_e4m3fn with a float32 `scale_weight` each (w ~ w8 * scale).
+
+    Weights in a wider dtype get scale amax / 448, so the largest lands on fp8's largest;
+    weights already fp8 keep their file's scale, or 1 (ComfyUI's plain fp8 files). Other
+    tensors are kept. This is the layout ComfyUI's scaled-fp8 ops load, patch and LoRA.
+    """
+    out = {}
+    for k, t in sd.items():
+        if k == "scaled_fp8":  # ComfyUI's marker key, not a tensor of the model
+            continue
+        out[k] = t
+        if not is_linear_weight(k, t):
+            continue
+        scale_key = k[: -len("weight")] + "scale_weight"
+        if t.dtype == FP8:
+            out.setdefault(scale_key, sd.get(scale_key, torch.ones((), dtype=torch.float32)))
+            continue
+        w = t.float()
+        scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12)
+        out[k] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out[scale_key] = scale
+    return out
+
+
+def dequantize(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """fp8 weights (with any `scale_weight`) back to `dtype`; other floats cast to `dtype`."""
+    out = {}
+    for k, t in sd.items():
+        if k == "scaled_fp8" or k.endswith(".scale_weight") or k.endswith(".scale_input"):
+            continue
+        if t.is_floating_point():
+            scale = sd.get(k[: -len("weight")] + "scale_weight") if k.endswith(".weight") else None
+            t = t.float() * scale.float() if scale is not None else t
+            t = t.to(dtype)
+        out[k] = t
+    return out
+
+
+def has_fp8_weights(sd: dict[str, torch.Tensor]) -> bool:
+    return any(t.dtype == FP8 for k, t in sd.items() if is_linear_weight(k, t))
+
+
+# --- the fused block ---------------------------------------------------------------------
+
+Attention = Callable[..., torch.Tensor]
+
+
+def _plain_weights(linear, x: torch.Tensor) -> bool:
+    """Whether `linear` would run as plain F.linear on x: ComfyUI ops cast or patch weights
+    (comfy_cast_weights, weight_function: offloading, fp8, LoRA on the fly) otherwise."""
+    return not (
+        getattr(linear, "comfy_cast_weights", False)
+        or getattr(linear, "weight_function", None)
+        or getattr(linear, "bias_function", None)
+        or linear.weight.dtype != x.dtype
+        or linear.weight.device != x.device
+    )
+
+
+def mlp(ff, x: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's FeedForward (Linear, GELU-tanh, Linear) with the GELU fused: into the GEMM
+    epilogue for plain weights, into the fp8 activation quantization for fp8 GEMMs."""
+    proj, out = ff.net[0].proj, ff.net[2]
+    if hasattr(out, "linear_of_gelu"):
+        return out.linear_of_gelu(proj(x))
+    if _plain_weights(proj, x):
+        h = linear_gelu(x, proj.weight, proj.bias)
+    else:
+        h = F.gelu(proj(x), approximate="tanh")
+    return out(h)
+
+
+def joint_attention(
+    attn, img: torch.Tensor, txt: torch.Tensor, freqs: torch.Tensor, attention: Attention,
+    transformer_options: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """ComfyUI's qwen_image `Attention.forward`: q/k RMSNorm + RoPE written straight into the
+    joint (B, L_txt + L_img, H, Dh) buffers that attention reads as (B, H, L, Dh) views."""
+    b, n_txt, n_img, heads = img.shape[0], txt.shape[1], img.shape[1], attn.heads
+    n = n_txt + n_img
+    q = img.new_empty(b, n, heads, attn.dim_head)
+    k = torch.empty_like(q)
+    streams = (
+        (txt, slice(0, n_txt), attn.add_q_proj, attn.add_k_proj, attn.norm_added_q, attn.norm_added_k),
+        (img, slice(n_txt, n), attn.to_q, attn.to_k, attn.norm_q, attn.norm_k),
+    )  # fmt: skip
+    for x, rows, to_q, to_k, norm_q, norm_k in streams:
+        f = freqs[:, rows]
+        qk_norm_rope_into(to_q(x).unflatten(-1, (heads, -1)), norm_q.weight, f, q[:, rows], norm_q.eps)
+        qk_norm_rope_into(to_k(x).unflatten(-1, (heads, -1)), norm_k.weight, f, k[:, rows], norm_k.eps)
+    v = torch.cat([attn.add_v_proj(txt), attn.to_v(img)], dim=1).unflatten(-1, (heads, -1))
+    out = attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), heads, None,
+        skip_reshape=True, transformer_options=transformer_options,
+    )  # fmt: skip
+    return attn.to_out[0](out[:, n_txt:]), attn.to_add_out(out[:, :n_txt])
+
+
+def fused_block_forward(block, attention: Attention) -> Callable:
+    """A `forward` for ComfyUI's QwenImageTransformerBlock with the fused kernels.
+
+    Same signature and result as the block's own forward (within rounding: each fused op
+    rounds once where ComfyUI rounds per op). `attention(q, k, v, heads, mask, skip_reshape=
+    True, transformer_options=...)` takes (B, H, L, Dh) views and returns (B, L, H * Dh):
+    ComfyUI's `optimized_attention_masked`, so attention overrides still apply.
+    """
+    eps = block.img_norm1.eps
+
+    def forward(
+        hidden_states, encoder_hidden_states, encoder_hidden_states_mask=None, temb=None,
+        image_rotary_emb=None, transformer_options={},
+    ):  # fmt: skip
+        img, txt = hidden_states, encoder_hidden_states
+        # (B, 6D) each: shift, scale, gate of the attention half, then of the MLP half.
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = block.img_mod(temb).chunk(6, -1)
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = block.txt_mod(temb).chunk(6, -1)
+        img_attn, txt_attn = joint_attention(
+            block.attn,
+            layernorm_modulate(img, i_shift1, i_scale1, eps),
+            layernorm_modulate(txt, t_shift1, t_scale1, eps),
+            image_rotary_emb, attention, transformer_options,
+        )  # fmt: skip
+        img, img_x = gated_residual_layernorm_modulate(img, img_attn, i_gate1, i_shift2, i_scale2, eps)
+        txt, txt_x = gated_residual_layernorm_modulate(txt, txt_attn, t_gate1, t_shift2, t_scale2, eps)
+        img = gated_residual(img, mlp(block.img_mlp, img_x), i_gate2)
+        txt = gated_residual(txt, mlp(block.txt_mlp, txt_x), t_gate2)
+        return txt, img
+
+    return forward
+
+
+def weights_gib(module: torch.nn.Module) -> float:
+    """Bytes of a module's parameters and buffers, in GiB."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def count_params(sd: dict[str, torch.Tensor]) -> int:
+    return sum(math.prod(t.shape) for t in sd.values())

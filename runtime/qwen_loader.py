@@ -1,0 +1,170 @@
+"""Loading the Qwen-Image DiT into ComfyUI: a plain MODEL (ModelPatcher), built from the config
+read off the weights, with fp8 ops, attention and fused blocks attached through ModelPatcher.
+
+This module imports ComfyUI; the math it uses is in `qwen_dit`, `attention` and `kernels/`.
+"""
+
+import logging
+from pathlib import Path
+
+import comfy.ldm.qwen_image.model as qwen_model
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.ops
+import comfy.supported_models
+import comfy.utils
+import folder_paths
+import torch
+from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+from ..kernels.fp8_linear import FP8, fp8_gemm_reason, fp8_linear
+from . import qwen_dit
+from .attention import attention_override
+
+log = logging.getLogger(__name__)
+
+FOLDER = "diffusion_models"
+WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
+ATTENTION = ["auto", "sdpa", "flash"]
+COMPILE = ["off", "regional"]
+FUSED_KEY = "forward"  # object patch on each block's `forward`
+
+
+def model_names() -> list[str]:
+    """UNETLoader's list, plus diffusers-layout folders (shown with a trailing '/')."""
+    names = list(folder_paths.get_filename_list(FOLDER))
+    for root in folder_paths.get_folder_paths(FOLDER):
+        root = Path(root)
+        if root.is_dir():
+            dirs = sorted(p for p in root.iterdir() if p.is_dir())
+            names += [p.name + "/" for p in dirs if qwen_dit.diffusers_folder(p)]
+    return names
+
+
+def resolve(name: str) -> Path:
+    """The file or folder `name` (as listed by `model_names`), or FileNotFoundError saying
+    where it should be."""
+    roots = [Path(p) for p in folder_paths.get_folder_paths(FOLDER)]
+    if name.endswith("/"):
+        for root in roots:
+            if qwen_dit.diffusers_folder(root / name.rstrip("/")):
+                return root / name.rstrip("/")
+    elif (path := folder_paths.get_full_path(FOLDER, name)) is not None:
+        return Path(path)
+    where = ", ".join(str(r) for r in roots) or "models/diffusion_models"
+    raise FileNotFoundError(
+        f"{name!r} was not found in {where}. Put the Qwen-Image DiT there: "
+        "qwen_image_2512_bf16.safetensors or qwen_image_2512_fp8_e4m3fn.safetensors "
+        "(https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI), or a diffusers folder with "
+        "transformer/config.json and its safetensors shards."
+    )
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], qwen_dit.DiTConfig]:
+    """The DiT state dict (ComfyUI key names) and its config, from a file or a diffusers folder."""
+    rope_axes = None
+    if path.is_dir():
+        sd, config = qwen_dit.load_diffusers_folder(qwen_dit.diffusers_folder(path))
+        rope_axes = config.get("axes_dims_rope")
+    else:
+        sd = comfy.utils.load_torch_file(str(path))
+    sd = qwen_dit.strip_prefix(sd)
+    return sd, qwen_dit.read_config(sd, rope_axes)
+
+
+def fp8_ops(fast: bool):
+    """ComfyUI's scaled-fp8 ops (fp8 storage, cast per layer, LoRA through convert/set_weight);
+    with `fast`, Linear runs fp8 GEMMs with per-row activation scales instead."""
+    base = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
+    if not fast:
+        return base
+
+    class fp8_fast_ops(base):
+        class Linear(base.Linear):
+            def _fp8(self, x, gelu_input=False):
+                weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
+                return fp8_linear(x, weight, self.scale_weight, bias, gelu_input)
+
+            def forward_comfy_cast_weights(self, input):
+                return self._fp8(input)
+
+            def linear_of_gelu(self, x):
+                """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
+                return self._fp8(x, gelu_input=True)
+
+    return fp8_fast_ops
+
+
+def _storage(weight_dtype: str, sd, load_device) -> str:
+    """The weight mode that will run: 'auto' follows the file; fast needs fp8 GEMMs."""
+    if weight_dtype == "auto":
+        weight_dtype = "fp8_e4m3fn" if qwen_dit.has_fp8_weights(sd) else "bf16"
+    if weight_dtype == "fp8_e4m3fn_fast" and (reason := fp8_gemm_reason(load_device)):
+        log.warning("fp8_e4m3fn_fast: %s; using fp8 storage with bf16 compute", reason)
+        weight_dtype = "fp8_e4m3fn"
+    return weight_dtype
+
+
+def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
+    """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`."""
+    load_device = mm.get_torch_device()
+    offload_device = mm.unet_offload_device()
+    model_config = comfy.supported_models.QwenImage(config.unet_config())
+    mode = _storage(weight_dtype, sd, load_device)
+    if mode.startswith("fp8"):
+        sd = qwen_dit.to_scaled_fp8(sd)
+        unet_dtype = FP8
+        model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
+    else:
+        unet_dtype = torch.bfloat16
+        if not mm.should_use_bf16(load_device):
+            unet_dtype = torch.float32
+            log.info("Optimized Loader: %s has no fast bf16; loading in float32", load_device)
+        if qwen_dit.has_fp8_weights(sd):
+            sd = qwen_dit.dequantize(sd, unet_dtype)
+    supported = model_config.supported_inference_dtypes
+    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, supported)
+    model_config.set_inference_dtype(unet_dtype, manual_cast)
+    model = model_config.get_model(sd, "")
+    model = model.to(offload_device)
+    model.load_model_weights(sd, "")
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
+    patcher.qwen_turbo_weights = mode
+    return patcher
+
+
+def add_fused_blocks(patcher) -> None:
+    """Object patches: each transformer block's forward runs the fused kernels."""
+    for i, block in enumerate(patcher.model.diffusion_model.transformer_blocks):
+        forward = qwen_dit.fused_block_forward(block, qwen_model.optimized_attention_masked)
+        patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
+
+
+def set_attention(patcher, attention: str) -> None:
+    if attention != "auto":
+        options = patcher.model_options.setdefault("transformer_options", {})
+        options["optimized_attention_override"] = attention_override(attention)
+
+
+def compile_blocks(patcher) -> None:
+    """Regional torch.compile: each block compiled on its own (one graph, reused by all)."""
+    n = len(patcher.model.diffusion_model.transformer_blocks)
+    keys = [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
+    set_torch_compile_wrapper(patcher, backend="inductor", keys=keys)
+
+
+def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off"):
+    """The Optimized Loader: a MODEL that every stock node accepts."""
+    sd, config = read_checkpoint(resolve(name))
+    patcher = build(sd, config, weight_dtype)
+    log.info(
+        "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s",
+        name, config.num_layers, config.width, config.num_attention_heads,
+        config.attention_head_dim, config.joint_attention_dim, patcher.qwen_turbo_weights,
+    )  # fmt: skip
+    if fused_kernels:
+        add_fused_blocks(patcher)
+    set_attention(patcher, attention)
+    if compile == "regional":
+        compile_blocks(patcher)
+    return patcher
