@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT))
 from tests.harness.comfyui import HOW_TO_PROVIDE, find_comfyui  # noqa: E402
 
 
-def setup_comfy():
+def setup_comfy(**flags):
+    """Put ComfyUI on sys.path, set its launch flags (`args.cpu` plus `flags`), load the pack."""
     comfy = find_comfyui()
     if comfy is None:
         sys.exit(HOW_TO_PROVIDE)
@@ -30,6 +31,8 @@ def setup_comfy():
     from comfy.cli_args import args
 
     args.cpu = not torch.cuda.is_available()
+    for name, value in flags.items():
+        setattr(args, name, value)
 
     spec = importlib.util.spec_from_file_location(
         "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]

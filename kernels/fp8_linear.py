@@ -34,7 +34,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(
+    x: torch.Tensor, gelu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (M, K) float. Returns (x_fp8 (M, K) float8_e4m3fn, scale (M, 1) float32) with
     x ~= x_fp8 * scale; with `gelu`, of gelu_tanh(x) (in float32, from x as given)."""
     x = x.float()

@@ -4,8 +4,8 @@ ComfyUI (comfy/ldm/qwen_image/model.py, FeedForward) runs `F.gelu(proj(x), appro
 a GEMM writing the (L, 4D) hidden activation, then a pass that reads and rewrites it (at
 2512^2, 606 MB each way per stream and block). cuBLASLt's GELU_BIAS epilogue applies bias and
 GELU-tanh to the float32 accumulator before the one store; PyTorch exposes it as
-`torch._addmm_activation(bias, x, w.t(), use_gelu=True)` (on CPU it runs addmm then the same
-GELU-tanh). No Triton involved.
+`torch._addmm_activation(bias, x, w.t(), use_gelu=True)`. Only the CUDA path uses it: on CPU
+that call applies the erf GELU, not tanh. No Triton involved.
 """
 
 import torch

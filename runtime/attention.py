@@ -5,7 +5,6 @@ means calling `F.scaled_dot_product_attention` here under our priority. The call
 is ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
 """
 
-import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -51,4 +50,3 @@ def attention_override(name: str):
         return attention(*args, **kwargs)
 
     return override
-

@@ -24,6 +24,8 @@ from ..kernels.qk_norm_rope import qk_norm_rope_into
 # Prefixes a DiT may carry inside a whole checkpoint; stripped before reading the config.
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 REQUIRED = ("img_in.weight", "txt_in.weight", "txt_norm.weight", "proj_out.weight")
+# fp8 weights keep their largest value this factor below 448 (room for LoRA deltas).
+HEADROOM = 4
 PATCH = 2  # the model's process_img hard-codes 2x2 patches
 # Other families, by a key only they have: to say what a wrong file is.
 FAMILIES = (
@@ -135,10 +137,10 @@ def diffusers_folder(path: Path) -> Path | None:
 def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, config.json) of a diffusers transformer folder: sharded safetensors with an
     index (`*.safetensors.index.json`), or one safetensors file."""
-    from diffusers import ConfigMixin
+    from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
-    config = ConfigMixin.load_config(str(folder))
+    config = QwenImageTransformer2DModel.load_config(str(folder))
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
         shards = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
@@ -162,8 +164,10 @@ def is_linear_weight(key: str, t: torch.Tensor) -> bool:
 def to_scaled_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Linear weights as float8_e4m3fn with a float32 `scale_weight` each (w ~ w8 * scale).
 
-    Weights in a wider dtype get scale amax / 448, so the largest lands on fp8's largest;
-    weights already fp8 keep their file's scale, or 1 (ComfyUI's plain fp8 files). Other
+    Weights in a wider dtype get scale amax / (448 / HEADROOM): the largest lands a factor
+    HEADROOM below fp8's largest, so a LoRA patched in later (re-quantized with this scale)
+    can grow weights that much before clamping; e4m3's relative precision is the same there.
+    Weights already fp8 keep their file's scale, or 1 (ComfyUI's plain fp8 files). Other
     tensors are kept. This is the layout ComfyUI's scaled-fp8 ops load, patch and LoRA.
     """
     out = {}
@@ -178,7 +182,7 @@ def to_scaled_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out.setdefault(scale_key, sd.get(scale_key, torch.ones((), dtype=torch.float32)))
             continue
         w = t.float()
-        scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12)
+        scale = (w.abs().amax() * HEADROOM / FP8_MAX).clamp_min(1e-12)
         out[k] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         out[scale_key] = scale
     return out
@@ -243,13 +247,14 @@ def joint_attention(
     q = img.new_empty(b, n, heads, attn.dim_head)
     k = torch.empty_like(q)
     streams = (
-        (txt, slice(0, n_txt), attn.add_q_proj, attn.add_k_proj, attn.norm_added_q, attn.norm_added_k),
-        (img, slice(n_txt, n), attn.to_q, attn.to_k, attn.norm_q, attn.norm_k),
+        (txt, slice(0, n_txt), (attn.add_q_proj, attn.norm_added_q, q),
+         (attn.add_k_proj, attn.norm_added_k, k)),
+        (img, slice(n_txt, n), (attn.to_q, attn.norm_q, q), (attn.to_k, attn.norm_k, k)),
     )  # fmt: skip
-    for x, rows, to_q, to_k, norm_q, norm_k in streams:
-        f = freqs[:, rows]
-        qk_norm_rope_into(to_q(x).unflatten(-1, (heads, -1)), norm_q.weight, f, q[:, rows], norm_q.eps)
-        qk_norm_rope_into(to_k(x).unflatten(-1, (heads, -1)), norm_k.weight, f, k[:, rows], norm_k.eps)
+    for x, rows, *projections in streams:
+        for linear, norm, out in projections:
+            h = linear(x).unflatten(-1, (heads, -1))
+            qk_norm_rope_into(h, norm.weight, freqs[:, rows], out[:, rows], norm.eps)
     v = torch.cat([attn.add_v_proj(txt), attn.to_v(img)], dim=1).unflatten(-1, (heads, -1))
     out = attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), heads, None,
@@ -270,8 +275,9 @@ def fused_block_forward(block, attention: Attention) -> Callable:
 
     def forward(
         hidden_states, encoder_hidden_states, encoder_hidden_states_mask=None, temb=None,
-        image_rotary_emb=None, transformer_options={},
+        image_rotary_emb=None, transformer_options=None,
     ):  # fmt: skip
+        transformer_options = {} if transformer_options is None else transformer_options
         img, txt = hidden_states, encoder_hidden_states
         # (B, 6D) each: shift, scale, gate of the attention half, then of the MLP half.
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = block.img_mod(temb).chunk(6, -1)
@@ -282,8 +288,12 @@ def fused_block_forward(block, attention: Attention) -> Callable:
             layernorm_modulate(txt, t_shift1, t_scale1, eps),
             image_rotary_emb, attention, transformer_options,
         )  # fmt: skip
-        img, img_x = gated_residual_layernorm_modulate(img, img_attn, i_gate1, i_shift2, i_scale2, eps)
-        txt, txt_x = gated_residual_layernorm_modulate(txt, txt_attn, t_gate1, t_shift2, t_scale2, eps)
+        img, img_x = gated_residual_layernorm_modulate(
+            img, img_attn, i_gate1, i_shift2, i_scale2, eps
+        )
+        txt, txt_x = gated_residual_layernorm_modulate(
+            txt, txt_attn, t_gate1, t_shift2, t_scale2, eps
+        )
         img = gated_residual(img, mlp(block.img_mlp, img_x), i_gate2)
         txt = gated_residual(txt, mlp(block.txt_mlp, txt_x), t_gate2)
         return txt, img

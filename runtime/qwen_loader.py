@@ -27,6 +27,7 @@ FOLDER = "diffusion_models"
 WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
 ATTENTION = ["auto", "sdpa", "flash"]
 COMPILE = ["off", "regional"]
+SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"  # object patch on each block's `forward`
 
 
@@ -96,9 +97,9 @@ def fp8_ops(fast: bool):
 
 
 def _storage(weight_dtype: str, sd, load_device) -> str:
-    """The weight mode that will run: 'auto' follows the file; fast needs fp8 GEMMs."""
-    if weight_dtype == "auto":
-        weight_dtype = "fp8_e4m3fn" if qwen_dit.has_fp8_weights(sd) else "bf16"
+    """The weight mode that will run: 'auto' keeps fp8 files in fp8; fast needs fp8 GEMMs."""
+    if weight_dtype == "auto" and qwen_dit.has_fp8_weights(sd):
+        weight_dtype = "fp8_e4m3fn"
     if weight_dtype == "fp8_e4m3fn_fast" and (reason := fp8_gemm_reason(load_device)):
         log.warning("fp8_e4m3fn_fast: %s; using fp8 storage with bf16 compute", reason)
         weight_dtype = "fp8_e4m3fn"
@@ -116,14 +117,13 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
         unet_dtype = FP8
         model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
     else:
-        unet_dtype = torch.bfloat16
-        if not mm.should_use_bf16(load_device):
-            unet_dtype = torch.float32
-            log.info("Optimized Loader: %s has no fast bf16; loading in float32", load_device)
         if qwen_dit.has_fp8_weights(sd):
-            sd = qwen_dit.dequantize(sd, unet_dtype)
-    supported = model_config.supported_inference_dtypes
-    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, supported)
+            sd = qwen_dit.dequantize(sd, torch.bfloat16)
+        unet_dtype = torch.bfloat16
+        if mode == "auto":  # ComfyUI's own choice for the device (float32 on CPU)
+            params = qwen_dit.count_params(sd)
+            unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)
+    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)

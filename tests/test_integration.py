@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.harness import models
 from tests.harness.workflow import ui_to_api
 
 WORKFLOWS = Path(__file__).parent / "workflows"
@@ -74,3 +75,48 @@ def test_cuda_graph_sampler_workflow_equals_ksampler(comfy_server):
     (out,) = comfy_server.images(entry, "12")
     a = _pixels(ref)
     assert a.std() > 5 and np.array_equal(a, _pixels(out))
+
+
+def _loader_prompt() -> dict:
+    """Optimized Loader next to UNETLoader (full width, one layer), and on the narrow DiT as a
+    file, as a diffusers folder and with a LoRA; each sampled by the stock KSampler."""
+    full = models.qwen_dit_file().name
+    narrow = models.qwen_dit_narrow_file()
+    prompt = {
+        "1": ("QwenTurboLoader", {"unet_name": full, "weight_dtype": "auto", "attention": "sdpa",
+                                  "fused_kernels": True, "compile": "off"}),
+        "2": ("UNETLoader", {"unet_name": full, "weight_dtype": "default"}),
+        "3": ("QwenTurboLoader", {"unet_name": narrow.name, "weight_dtype": "bf16",
+                                  "attention": "auto", "fused_kernels": True, "compile": "off"}),
+        "4": ("QwenTurboLoader", {"unet_name": narrow.stem + "/", "weight_dtype": "bf16",
+                                  "attention": "auto", "fused_kernels": True, "compile": "off"}),
+        "5": ("LoraLoaderModelOnly", {"model": ["3", 0], "strength_model": 1.0,
+                                      "lora_name": models.narrow_lora_file().name}),
+        "6": ("EmptySD3LatentImage", {"width": 64, "height": 48, "batch_size": 1}),
+        "7": ("VAELoader", {"vae_name": models.qwen_vae_file().name}),
+    }  # fmt: skip
+    for width, cond in ((3584, "c_full"), (64, "c_narrow")):
+        prompt[cond + "+"] = ("QwenTurboTestConditioning", {"seed": 1, "tokens": 8, "width": width})
+        prompt[cond + "-"] = ("QwenTurboTestConditioning", {"seed": 2, "tokens": 8, "width": width})
+    for model, cond in (("1", "c_full"), ("2", "c_full"), ("3", "c_narrow"), ("4", "c_narrow"),
+                        ("5", "c_narrow")):  # fmt: skip
+        prompt["k" + model] = ("KSampler", {
+            "model": [model, 0], "seed": 3, "steps": 2, "cfg": 2.0, "sampler_name": "euler",
+            "scheduler": "simple", "positive": [cond + "+", 0], "negative": [cond + "-", 0],
+            "latent_image": ["6", 0], "denoise": 1.0})  # fmt: skip
+        prompt["d" + model] = ("VAEDecode", {"samples": ["k" + model, 0], "vae": ["7", 0]})
+        prompt["s" + model] = ("SaveImage", {"images": ["d" + model, 0], "filename_prefix": model})
+    return {k: {"class_type": c, "inputs": i} for k, (c, i) in prompt.items()}
+
+
+def test_optimized_loader_workflow(comfy_server):
+    info = comfy_server.get("/object_info")["QwenTurboLoader"]
+    assert info["display_name"] == "Optimized Loader" and info["output"] == ["MODEL"]
+    names = info["input"]["required"]["unet_name"][1]["options"]
+    assert models.qwen_dit_narrow_file().stem + "/" in names  # the diffusers folder is listed
+    entry = comfy_server.run(_loader_prompt())
+    pixels = {m: _pixels(comfy_server.images(entry, "s" + m)[0]) for m in "12345"}
+    assert pixels["2"].std() > 5 and pixels["3"].std() > 5
+    assert np.abs(pixels["1"] - pixels["2"]).max() <= 2  # ours vs UNETLoader: same picture
+    assert np.array_equal(pixels["3"], pixels["4"])  # the folder holds the file's weights
+    assert np.abs(pixels["5"] - pixels["3"]).mean() > 2  # the LoRA took effect

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from qwen_turbo.kernels import qk_norm_rope as mod
-from qwen_turbo.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from qwen_turbo.kernels.qk_norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_into,
+    qk_norm_rope_reference,
+)
 from tests.kernels.common import (
     DTYPES,
     assert_compiles_full_graph,
@@ -491,3 +495,156 @@ def test_gpu_real_size_bf16(kernel_only, out_layout):
 def test_gpu_cuda_graph_capture(kernel_only):
     x, weight, freqs = _inputs((1, 263, 24, 128), torch.bfloat16, seed=19, device="cuda")
     assert_cuda_graph_replays(lambda: qk_norm_rope(x, weight, freqs), x, 1)
+
+
+# qk_norm_rope_into: each stream written into its rows of one joint (B, L_txt + L_img, H, Dh)
+# buffer (the Optimized Loader's joint attention), so no torch.cat follows.
+
+
+def _streams(b, h, dh, dtype, seed, device="cpu"):
+    """Text then image x (B, L, H, Dh), each with its own norm weight and its slice of the
+    joint rotation table: SEQ[17]'s 5 text and 3 x 4 image tokens. Returns a list of
+    (x, weight, freqs, rows of the joint sequence)."""
+    n_txt, ih, iw = SEQ[17]
+    g = torch.Generator().manual_seed(seed)
+    freqs = _freqs(n_txt, ih, iw, dh, b, dtype, device)
+    streams = []
+    for rows in (slice(0, n_txt), slice(n_txt, n_txt + ih * iw)):
+        x = torch.randn(b, rows.stop - rows.start, h, dh, generator=g) * 1.5 + 0.3
+        weight = torch.randn(dh, generator=g) * 0.5 + 1
+        to = {"dtype": dtype, "device": device}
+        streams.append((x.to(**to), weight.to(**to), freqs[:, rows], rows))
+    return streams
+
+
+def _joint_cat(streams):
+    """What the rows must hold: the two streams' qk_norm_rope in (B, L, H, Dh), concatenated."""
+    return torch.cat([qk_norm_rope(x, w, f, out_layout="blhd") for x, w, f, _ in streams], dim=1)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_into_joint_buffer_equals_cat(kernel_only, dtype):
+    """Text and image rows written into one poisoned joint buffer: the same bits as the two
+    qk_norm_rope calls concatenated, and every element written."""
+    streams = _streams(2, 3, 64, dtype, seed=20)
+    joint = torch.full((2, 17, 3, 64), float("nan"), dtype=dtype)
+    for x, weight, freqs, rows in streams:
+        view = joint[:, rows]
+        assert qk_norm_rope_into(x, weight, freqs, view) is view
+    torch.testing.assert_close(joint, _joint_cat(streams), rtol=0, atol=0)
+    for x, weight, freqs, rows in streams:
+        _assert_close_to_fp64(joint[:, rows].contiguous(), x, weight, freqs, "blhd")
+
+
+def _out_view(kind, b, seq, h, dh, dtype):
+    """A NaN-filled buffer and the (B, L, H, Dh) view of it to write: the image rows of a
+    joint sequence with 2 rows after them, the k slot of a fused (B, L, 3, H, Dh) qkv, or a
+    (B, H, L, Dh) buffer seen through a transpose."""
+    nan = float("nan")
+    if kind == "joint_rows":
+        buf = torch.full((b, 5 + seq + 2, h, dh), nan, dtype=dtype)
+        return buf, buf[:, 5 : 5 + seq]
+    if kind == "qkv_slot":
+        buf = torch.full((b, seq, 3, h, dh), nan, dtype=dtype)
+        return buf, buf[:, :, 1]
+    buf = torch.full((b, h, seq, dh), nan, dtype=dtype)
+    return buf, buf.transpose(1, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["joint_rows", "qkv_slot", "bhld"])
+def test_into_writes_the_view_and_nothing_else(kernel_only, kind):
+    x, weight, freqs = _inputs((2, 17, 3, 64), torch.bfloat16, seed=21)
+    buf, view = _out_view(kind, *x.shape, x.dtype)
+    qk_norm_rope_into(x, weight, freqs, view)
+    expected = qk_norm_rope(x, weight, freqs, out_layout="blhd")
+    torch.testing.assert_close(view, expected, rtol=0, atol=0)
+    assert not view.isnan().any()
+    assert buf.isnan().sum().item() == buf.numel() - view.numel()  # the rest untouched
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((1, 17, 2, 64), torch.bfloat16),  # batch
+        ((2, 16, 2, 64), torch.bfloat16),  # sequence
+        ((2, 17, 3, 64), torch.bfloat16),  # heads
+        ((2, 17, 2, 64), torch.float32),  # dtype
+    ],
+)
+def test_into_mismatched_out_is_an_error(shape, dtype):
+    x, weight, freqs = _inputs((2, 17, 2, 64), torch.bfloat16, seed=0)
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    with pytest.raises(
+        ValueError, match=r"out is \(.*\) torch\.\w+, x is \(2, 17, 2, 64\) torch.bfloat16"
+    ):
+        qk_norm_rope_into(x, weight, freqs, out)
+    assert out.isnan().all()
+
+
+def _assert_into_falls_back(streams, caplog, reason, dtype):
+    """Each stream's rows hold the reference (B, L, H, Dh) result; logged once."""
+    joint = torch.full((2, 17 + 2, 3, 64), float("nan"), dtype=dtype)
+    for x, weight, freqs, rows in streams:
+        view = joint[:, rows]
+        assert qk_norm_rope_into(x, weight, freqs, view) is view
+    expected = [qk_norm_rope_reference(x, w, f, 1e-6, "blhd") for x, w, f, _ in streams]
+    torch.testing.assert_close(joint[:, :17], torch.cat(expected, dim=1), rtol=0, atol=0)
+    assert joint[:, 17:].isnan().all()
+    assert_logged_once(caplog, OP, reason)
+
+
+def test_into_fallback_env_switch(monkeypatch, fresh_log):
+    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    streams = _streams(2, 3, 64, torch.bfloat16, seed=22)
+    _assert_into_falls_back(streams, fresh_log, "QWEN_TURBO_DISABLE_KERNELS", torch.bfloat16)
+
+
+def test_into_fallback_float64(fresh_log):
+    streams = _streams(2, 3, 64, torch.float64, seed=23)
+    _assert_into_falls_back(streams, fresh_log, "torch.float64", torch.float64)
+
+
+def test_into_fallback_device(no_interpreter, fresh_log):
+    streams = _streams(2, 3, 64, torch.float32, seed=24)
+    _assert_into_falls_back(streams, fresh_log, "tensors on cpu", torch.float32)
+
+
+@needs_triton
+def test_into_custom_op_registration():
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=25)
+    out = torch.empty_like(x)
+    torch.library.opcheck(mod._qk_norm_rope_into_op, (x, weight, freqs, 1e-6, out))
+
+
+@needs_triton
+def test_into_torch_compile_full_graph(kernel_only):
+    x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=26)
+
+    def block(x):
+        joint = x.new_zeros(1, 3, 2, 64)
+        qk_norm_rope_into(x, weight, freqs, joint[:, 1:2])
+        return joint * 2
+
+    assert_compiles_full_graph(block, x)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_into_real_size_equals_cat(kernel_only):
+    """Qwen-Image's 256 text + 157 x 157 image tokens, 24 heads of 128, bfloat16."""
+    b, n_txt, ih, iw, h, dh = 1, 256, 157, 157, 24, 128
+    g = torch.Generator().manual_seed(27)
+    freqs = _freqs(n_txt, ih, iw, dh, b, torch.bfloat16, device="cuda")
+    joint = torch.full(
+        (b, n_txt + ih * iw, h, dh), float("nan"), dtype=torch.bfloat16, device="cuda"
+    )
+    expected = []
+    for rows in (slice(0, n_txt), slice(n_txt, None)):
+        n = joint[:, rows].shape[1]
+        x = (torch.randn(b, n, h, dh, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+        weight = (torch.randn(dh, generator=g) * 0.5 + 1).to("cuda", torch.bfloat16)
+        qk_norm_rope_into(x, weight, freqs[:, rows], joint[:, rows])
+        expected.append(qk_norm_rope(x, weight, freqs[:, rows], out_layout="blhd"))
+    torch.testing.assert_close(joint, torch.cat(expected, dim=1), rtol=0, atol=0)

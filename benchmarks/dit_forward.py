@@ -1,0 +1,212 @@
+"""One Qwen-Image DiT forward: stock UNETLoader model against the Optimized Loader's, one process.
+
+Random full-size weights (60 layers unless --layers), batch 1, 256 text tokens. Each variant
+is loaded from the same state dict, run at each size (warm-up, then the median of CUDA-event
+timings), compared with the stock output (relative L2), and unloaded before the next. With
+--sample-steps N it also times an N-step euler/simple CFG-1 KSampler run at the largest size
+with a random LoRA, stock against the pack's best variant (+ CUDA Graph Sampler).
+Prints a table and JSON on the last line.
+"""
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vae_decode import setup_comfy  # noqa: E402
+
+# name: (loader, weight_dtype, attention, fused, compile)
+VARIANTS = {
+    "stock bf16": ("stock", "default", None, None, None),
+    "stock fp8_e4m3fn_fast": ("stock", "fp8_e4m3fn_fast", None, None, None),
+    "bf16 sdpa": ("pack", "bf16", "sdpa", False, "off"),
+    "bf16 fused sdpa": ("pack", "bf16", "sdpa", True, "off"),
+    "bf16 fused sdpa compile": ("pack", "bf16", "sdpa", True, "regional"),
+    "fp8 fused sdpa": ("pack", "fp8_e4m3fn", "sdpa", True, "off"),
+    "fp8_fast fused sdpa": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
+}
+
+
+def random_state_dict(layers: int):
+    """Qwen-Image's weights at full width on the GPU, bf16: W ~ N(0, 1/fan_in)."""
+    import comfy.ops
+    import torch
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        m = QwenImageTransformer2DModel(
+            num_layers=layers, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init
+        )
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0, p[0].numel() ** -0.5, generator=g)
+            elif name.endswith("weight"):
+                p.normal_(1, 0.1, generator=g)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return dict(m.state_dict())
+
+
+def load(variant, sd):
+    import comfy.sd
+
+    from qwen_turbo.runtime import qwen_dit, qwen_loader
+
+    kind, dtype, attention, fused, compile_ = VARIANTS[variant]
+    if kind == "stock":
+        options = {}
+        if dtype == "fp8_e4m3fn_fast":
+            import torch
+
+            options = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
+        return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=options)
+    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), dtype)
+    if fused:
+        qwen_loader.add_fused_blocks(patcher)
+    qwen_loader.set_attention(patcher, attention)
+    if compile_ == "regional":
+        qwen_loader.compile_blocks(patcher)
+    return patcher
+
+
+def forward_fn(patcher, size, tokens=256):
+    """A closure running one forward through BaseModel.apply_model, as samplers call it."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn((1, 16, 1, size // 8, size // 8), device="cuda", generator=g)
+    ctx = torch.randn((1, tokens, 3584), device="cuda", generator=g, dtype=torch.bfloat16)
+    sigma = torch.tensor([0.6], device="cuda")
+    opts = patcher.model_options.get("transformer_options", {})
+    wrappers = patcher.wrappers
+    base = patcher.model
+
+    def run():
+        with torch.inference_mode():
+            opts_run = dict(opts, wrappers=wrappers)
+            return base.apply_model(x, sigma, c_crossattn=ctx, transformer_options=opts_run)
+
+    return run
+
+
+def timed(fn, repeats):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1328, 2512])
+    p.add_argument("--layers", type=int, default=60, help="60 = the real model")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sample-steps", type=int, default=0, help="also time a sampling run")
+    a = p.parse_args()
+    setup_comfy(highvram=True)  # weights stay on the GPU between variants: no host copies
+    import comfy.model_management as mm
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("This benchmark needs a CUDA GPU.")
+    sd = random_state_dict(a.layers)
+    rows, ref = [], {}
+    for variant in a.variants:
+        patcher = load(variant, sd)
+        mm.load_models_gpu([patcher], force_full_load=True)
+        weights = sum(t.numel() * t.element_size() for t in patcher.model.state_dict().values())
+        for size in a.sizes:
+            torch.cuda.reset_peak_memory_stats()
+            ms, out = timed(forward_fn(patcher, size), a.repeats)
+            out = out.float()
+            if variant == a.variants[0]:
+                ref[size] = out
+            err = ((out - ref[size]).norm() / ref[size].norm()).item()
+            rows.append({
+                "variant": variant, "size": size, "ms": round(ms, 1),
+                "vs_first": None, "rel_l2": err, "finite": bool(out.isfinite().all()),
+                "weights_gib": round(weights / 2**30, 2),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            })  # fmt: skip
+        del patcher, out
+        mm.unload_all_models()
+        gc.collect()
+        torch.cuda.empty_cache()
+    first = {r["size"]: r["ms"] for r in rows if r["variant"] == a.variants[0]}
+    for r in rows:
+        r["vs_first"] = round(r["ms"] / first[r["size"]], 3)
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.layers} layers")
+    head = ("variant", "size", "ms", "ratio", "rel L2", "weights", "peak")
+    print("{:26} {:>5} {:>8} {:>6} {:>9} {:>8} {:>7}".format(*head))
+    for r in rows:
+        print(
+            f"{r['variant']:26} {r['size']:5d} {r['ms']:8.1f} {r['vs_first']:6.3f} "
+            f"{r['rel_l2']:9.2e} {r['weights_gib']:7.2f}G {r['peak_gib']:6.2f}G"
+            + ("" if r["finite"] else "  NON-FINITE")
+        )
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "layers": a.layers, "forward": rows}  # fmt: skip
+    if a.sample_steps:
+        result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps)
+    print(json.dumps(result))
+
+
+def sample(sd, size, steps):
+    """N-step euler/simple CFG 1 with a random LoRA, stock KSampler on the stock model against
+    the CUDA Graph Sampler on the Optimized Loader's fp8_fast fused model."""
+    import time
+
+    import comfy.model_management as mm
+    import torch
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+
+    import nodes as comfy_nodes
+    from qwen_turbo.nodes.graph_sampler import with_cuda_graphs
+
+    g = torch.Generator().manual_seed(2)
+    cond = [[torch.randn((1, 256, 3584), generator=g), {}]]
+    latent = {"samples": torch.zeros((1, 16, 1, size // 8, size // 8))}
+    out = {}
+    for name, variant in (("stock", "stock bf16"), ("pack", "fp8_fast fused sdpa")):
+        model = ModelSamplingAuraFlow().patch_aura(load(variant, sd), 3.1)[0]
+        lora = model.clone()
+        msd = lora.model_state_dict()
+        keys = [k for k in msd if ".img_mlp." in k and k.endswith("net.2.weight")][:8]
+        lora.add_patches({k: (torch.randn(msd[k].shape, generator=g) * 1e-3,) for k in keys})
+        if name == "pack":
+            lora = with_cuda_graphs(lora)
+        times = []
+        for _ in range(2):  # first run loads, captures, autotunes
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():  # as ComfyUI's executor runs nodes
+                comfy_nodes.common_ksampler(
+                    lora, 0, steps, 1.0, "euler", "simple", cond, cond, latent
+                )
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[name] = {"first_s": round(times[0], 2), "second_s": round(times[1], 2)}
+        del model, lora
+        mm.unload_all_models()
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"sampling {steps} steps at {size}^2 (s, second run): {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

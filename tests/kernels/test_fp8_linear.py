@@ -1,0 +1,500 @@
+"""quantize_rows and fp8_linear: the Optimized Loader's fp8 GEMMs with per-row activation scales.
+
+On CPU quantize_rows runs through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
+The interpreter does store float8, but its float32 -> float8 conversion (Triton 3.6,
+`triton/runtime/interpreter.py: _convert_float`) is not PyTorch's round-to-nearest-even:
+ties round away from zero, subnormals truncate, and a mantissa that rounds up past 0b111 ORs
+its carry into the exponent, so where the exponent's low bit is already set the value halves
+(127.1 stores as 64, not 128). So the CPU cases feed values that need no rounding (fp8 values
+times powers of two, which must come back bit for bit), check the float32 scales, and compare
+the GELU through the scales; the kernel's rounding is held to fp8 precision against float64
+in the `gpu` cases only. fp8 GEMMs (torch._scaled_mm with row-wise scales) need a CUDA GPU of
+compute capability 8.9+: on CPU fp8_linear always takes its logged fallback.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen_turbo.kernels import fp8_linear as mod
+from qwen_turbo.kernels.fp8_linear import (
+    FP8,
+    FP8_MAX,
+    MAX_K,
+    MIN_SCALE,
+    fp8_gemm_reason,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_rows,
+    quantize_rows_reference,
+)
+from tests.kernels.common import (
+    DTYPES,
+    assert_compiles_full_graph,
+    assert_cuda_graph_replays,
+    assert_logged_once,
+    assert_logged_once_per_reason,
+    needs_cuda,
+    needs_triton,
+)
+
+OP, OP_QUANT = "fp8_linear", "quantize_rows"  # as the log names them
+REFERENCES = (mod, "quantize_rows_reference", "fp8_linear_reference")  # what `kernel_only` fails
+
+# Every finite float8_e4m3fn value (254: +-0 and +-448 included), as float32.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+FP8_VALUES = FP8_VALUES[FP8_VALUES.isfinite()]
+
+
+# The interpreter evaluates tl.sigmoid(2u) as 1 / (1 + exp(-2u)) in numpy, where exp overflows
+# to inf (with a warning) for the GELU of large negative inputs; 1 / inf = 0 is still right.
+interpreter_exp_overflow = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _fp8_grid_rows(m, k, dtype, seed, device="cpu"):
+    """(x, q, scale): rows of random fp8 values (subnormals and zeros included), each holding
+    one +-448, times a power of two 2^-6 .. 2^6 per row. x is exact in bfloat16 and float16
+    (subnormals too), its row amax is 448 * scale, and x / scale = q with no rounding."""
+    g = torch.Generator().manual_seed(seed)
+    q = FP8_VALUES[torch.randint(len(FP8_VALUES), (m, k), generator=g)]
+    col = torch.randint(k, (m,), generator=g)
+    q[torch.arange(m), col] = FP8_MAX * (torch.randint(2, (m,), generator=g) * 2 - 1).float()
+    scale = 2.0 ** torch.randint(-6, 7, (m, 1), generator=g).float()
+    return (q * scale).to(dtype=dtype, device=device), q.to(device), scale.to(device)
+
+
+def _assert_exact(xq, s, q, scale):
+    assert xq.dtype == FP8 and xq.shape == q.shape
+    assert s.dtype == torch.float32 and s.shape == (q.shape[0], 1)
+    torch.testing.assert_close(s, scale, rtol=0, atol=0)
+    torch.testing.assert_close(xq.float(), q, rtol=0, atol=0)
+
+
+def _launch_poisoned(x, gelu=False, pad=5):
+    """The op's kernel launch into NaN-filled outputs: q a (M, K) view of a (M, K + pad)
+    buffer (row stride K + pad), s (M, 1). Returns (q buffer, q view, s)."""
+    m, k = x.shape
+    buf = torch.full((m, k + pad), float("nan")).to(FP8)
+    q, s = buf[:, :k], torch.full((m, 1), float("nan"))
+    block_k = mod.triton.next_power_of_2(k)
+    mod._quantize_rows_kernel[(m,)](
+        x, q, s, k, x.stride(0), q.stride(0), GELU=gelu, BLOCK_K=block_k, num_warps=8
+    )
+    return buf, q, s
+
+
+# (M, K): a masked block (123), Qwen-Image's widths 3072 and 12288 (its MLP's hidden).
+SHAPES = [(5, 123), (3, 3072), (2, 12288)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_exact_values_round_trip(kernel_only, dtype, shape):
+    """Values that need no rounding: the fp8 rows and power-of-two scales come back exactly."""
+    x, q, scale = _fp8_grid_rows(*shape, dtype, seed=shape[0] * 7 + shape[1])
+    _assert_exact(*quantize_rows(x), q, scale)
+    _assert_exact(*quantize_rows_reference(x), q, scale)  # the reference agrees
+
+
+@needs_triton
+def test_kernel_writes_every_element_and_nothing_else():
+    """Poisoned outputs: every element of q and s is written, the padding of q's rows is not."""
+    x, q, scale = _fp8_grid_rows(5, 123, torch.bfloat16, seed=1)
+    buf, xq, s = _launch_poisoned(x)
+    _assert_exact(xq, s, q, scale)
+    assert buf[:, 123:].float().isnan().all()
+
+
+@needs_triton
+def test_strided_rows(kernel_only):
+    """Rows of a wider buffer (row stride > K, unit stride along K) are read in place."""
+    x, q, scale = _fp8_grid_rows(4, 123, torch.bfloat16, seed=2)
+    wide = torch.full((4, 123 + 9), float("nan"), dtype=torch.bfloat16)
+    wide[:, 3 : 3 + 123] = x
+    view = wide[:, 3 : 3 + 123]
+    assert not view.is_contiguous() and view.stride() == (132, 1)
+    _assert_exact(*quantize_rows(view), q, scale)
+
+
+@needs_triton
+def test_column_major_input(kernel_only):
+    """K not of unit stride (a transposed tensor) is copied to rows first."""
+    x, q, scale = _fp8_grid_rows(4, 123, torch.float16, seed=3)
+    xt = x.t().contiguous().t()
+    assert xt.stride(1) != 1
+    _assert_exact(*quantize_rows(xt), q, scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_is_row_amax_over_448(kernel_only, dtype):
+    """Rows of magnitudes 1e-3 .. 5e3: each scale is the row's float32 amax / 448 (one
+    division, as the reference), the largest element lands on +-448, and nothing overflows."""
+    g = torch.Generator().manual_seed(4)
+    mags = torch.tensor([1e-3, 0.5, 1.0, 3.0, 100.0, 5e3])
+    x = (torch.randn(6, 3072, generator=g) * mags[:, None]).to(dtype)
+    xq, s = quantize_rows(x)
+    amax = x.float().abs().amax(dim=1, keepdim=True)
+    torch.testing.assert_close(s, amax / FP8_MAX, rtol=0, atol=0)
+    torch.testing.assert_close(s, quantize_rows_reference(x)[1], rtol=0, atol=0)
+    i = (torch.arange(6), x.float().abs().argmax(dim=1))
+    torch.testing.assert_close(xq.float()[i], x.float()[i].sign() * FP8_MAX, rtol=0, atol=0)
+    assert xq.float().abs().max() <= FP8_MAX and not xq.float().isnan().any()
+
+
+@interpreter_exp_overflow
+@needs_triton
+@pytest.mark.parametrize("gelu", [False, True])
+def test_zero_rows(kernel_only, gelu):
+    """An all-zero row gets the smallest scale, 1e-12, and zeros (0 / 0 would be NaN); the
+    other rows are unaffected. gelu(0) = 0, so the same holds with the GELU."""
+    x, q, scale = _fp8_grid_rows(4, 123, torch.bfloat16, seed=5)
+    x[1] = 0
+    x[3] = -0.0
+    xq, s = quantize_rows(x, gelu)
+    min_scale = torch.tensor(MIN_SCALE, dtype=torch.float32)
+    for row in (1, 3):
+        assert s[row, 0] == min_scale and not xq[row].float().any()
+    assert not xq.float().isnan().any() and not s.isnan().any()
+    if not gelu:
+        _assert_exact(xq[[0, 2]], s[[0, 2]], q[[0, 2]], scale[[0, 2]])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_through_the_scales(kernel_only, dtype):
+    """One non-zero value v a row (the rest 0, gelu(0) = 0): the row's scale is |gelu(v)| / 448
+    in float32, which shows the kernel's GELU to within the float32 division; the value itself
+    is +-448. Against float64 GELU-tanh over v in [-4, 4] (GELU-erf differs by up to 80% of
+    the value there, at v = -4)."""
+    v = torch.linspace(-4, 4, 40).to(dtype)  # no 0 among 40 evenly spaced points
+    cols = torch.arange(40) * 2 + 1
+    x = torch.zeros(40, 96, dtype=dtype)
+    x[torch.arange(40), cols] = v
+    xq, s = quantize_rows(x, gelu=True)
+    exact = _gelu_tanh(v.double())
+    torch.testing.assert_close(s[:, 0].double() * FP8_MAX, exact.abs(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(xq.float()[torch.arange(40), cols], exact.sign().float() * FP8_MAX)
+    xq[torch.arange(40), cols] = 0
+    assert not xq.float().any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_then_quantize(kernel_only, dtype):
+    """gelu=True gives what quantizing F.gelu(x, approximate="tanh") (in float32) gives: the
+    kernel's sigmoid form and PyTorch's tanh form differ by float32 ulps, which move the odd
+    element across an fp8 rounding boundary (float16 at this seed: 1 of 24576)."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(8, 3072, generator=g) * 2).to(dtype)
+    xq, s = quantize_rows(x, gelu=True)
+    xq_ref, s_ref = quantize_rows(_gelu_tanh(x.float()))
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s, quantize_rows_reference(x, gelu=True)[1], rtol=1e-6, atol=0)
+    assert (xq.float() != xq_ref.float()).float().mean().item() <= 1e-3
+
+
+@needs_triton
+def test_empty_input(kernel_only):
+    xq, s = quantize_rows(torch.zeros(0, 64, dtype=torch.bfloat16))
+    assert xq.shape == (0, 64) and xq.dtype == FP8 and s.shape == (0, 1)
+
+
+@interpreter_exp_overflow
+@needs_triton
+def test_custom_op_registration():
+    x, _, _ = _fp8_grid_rows(3, 64, torch.bfloat16, seed=7)
+    for gelu in (False, True):
+        torch.library.opcheck(mod._quantize_rows_op, (x, gelu))
+
+
+@interpreter_exp_overflow
+@needs_triton
+def test_torch_compile_full_graph(kernel_only):
+    x, _, _ = _fp8_grid_rows(3, 64, torch.bfloat16, seed=8)
+
+    def step(x):
+        xq, s = quantize_rows(x, gelu=True)
+        return xq.float() * s
+
+    assert_compiles_full_graph(step, x)
+
+
+# quantize_rows fallbacks: each branch of the dispatcher sends the call to the reference.
+
+
+def _assert_quant_falls_back(x, caplog, reason, gelu=False, fn=quantize_rows):
+    xq, s = fn(x, gelu)
+    xq_ref, s_ref = quantize_rows_reference(x, gelu)
+    assert xq.dtype == FP8
+    torch.testing.assert_close(xq.float(), xq_ref.float(), rtol=0, atol=0)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert_logged_once(caplog, OP_QUANT, reason)
+
+
+def _random(shape, dtype, seed=0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+def test_quant_fallback_env_switch(monkeypatch, fresh_log):
+    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    x = _random((3, 64), torch.bfloat16)
+    _assert_quant_falls_back(x, fresh_log, "QWEN_TURBO_DISABLE_KERNELS", gelu=True)
+
+
+def test_quant_fallback_float64(fresh_log):
+    _assert_quant_falls_back(_random((3, 64), torch.float64), fresh_log, "torch.float64")
+
+
+def test_quant_fallback_3d_input(fresh_log):
+    """(B, L, K) is not the kernel's; the reference's amax over dim 1 would be over L, so the
+    fallback's result is not per-row scaling either: callers flatten to (M, K) first."""
+    x = _random((2, 3, 64), torch.float32)
+    _assert_quant_falls_back(x, fresh_log, "x has shape (2, 3, 64), not (M, K)")
+
+
+def test_quant_fallback_too_wide(fresh_log):
+    k = MAX_K + 16
+    _assert_quant_falls_back(_random((2, k), torch.bfloat16), fresh_log, f"K = {k} is wider")
+
+
+def test_quant_fallback_autograd(fresh_log):
+    x = _random((3, 64), torch.float32).requires_grad_()
+    _assert_quant_falls_back(x, fresh_log, "require grad")
+
+
+def test_quant_fallback_device(no_interpreter, fresh_log):
+    """Outside the interpreter, CPU tensors are not the kernel's."""
+    _assert_quant_falls_back(_random((3, 64), torch.float32), fresh_log, "tensors on cpu")
+
+
+def test_quant_fallback_triton_unavailable(triton_missing, fresh_log):
+    x = _random((3, 64), torch.bfloat16)
+    _assert_quant_falls_back(x, fresh_log, "Triton is not installed")
+
+
+def test_quant_fallback_logged_once_per_reason(monkeypatch, fresh_log):
+    x = _random((3, 64), torch.float32)
+    x64 = (x.double(),)
+    assert_logged_once_per_reason(monkeypatch, fresh_log, OP_QUANT, quantize_rows, (x,), x64, x64)
+
+
+# fp8_linear on CPU: always ComfyUI's scaled-fp8 compute, logged once.
+
+
+def _linear_inputs(lead, n, k, dtype, seed, device="cpu", bias=True):
+    """x (*lead, K) ~ N(0, 1); weight (N, K) ~ N(0, 1/K) stored as float8_e4m3fn with one
+    float32 scale (as ComfyUI's scaled-fp8 checkpoints: w = w_fp8 * scale_weight); bias
+    (N,) ~ N(0, 0.1) or None. x and bias in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    scale_weight = w.abs().max() / FP8_MAX
+    weight = (w / scale_weight).to(FP8)
+    b = torch.randn(n, generator=g) * 0.1 if bias else None
+    to = {"device": device}
+    return (
+        x.to(dtype=dtype, **to),
+        weight.to(**to),
+        scale_weight.to(**to),
+        None if b is None else b.to(dtype=dtype, **to),
+    )
+
+
+def _comfy_scaled_fp8(x, weight, scale_weight, bias):
+    """comfy.ops' scaled-fp8 Linear: weight and scale cast to x's dtype, then F.linear. (The
+    scale is rounded to x's dtype before the product, as ComfyUI does: a float32 scale
+    would give other bits.)"""
+    w = weight.to(x.dtype) * scale_weight.to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def test_fp8_gemm_reason():
+    assert fp8_gemm_reason(torch.device("cpu")) == "fp8 GEMMs need a CUDA GPU, not cpu"
+    assert fp8_gemm_reason(torch.device("meta")) == "fp8 GEMMs need a CUDA GPU, not meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("gelu_input", [False, True])
+def test_fallback_on_cpu(fresh_log, dtype, bias, gelu_input):
+    x, weight, scale_weight, b = _linear_inputs((2, 5), 48, 64, dtype, seed=9, bias=bias)
+    for _ in range(3):
+        out = fp8_linear(x, weight, scale_weight, b, gelu_input)
+    assert out.dtype == dtype and out.shape == (2, 5, 48)
+    expected = _comfy_scaled_fp8(_gelu_tanh(x) if gelu_input else x, weight, scale_weight, b)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_logged_once(fresh_log, OP, "fp8 GEMMs need a CUDA GPU, not cpu")
+
+
+def test_fallback_matches_comfyui_scaled_fp8_linear():
+    """The fallback is ComfyUI's own scaled-fp8 Linear (comfy.ops.scaled_fp8_ops) bit for bit
+    when x has more elements than the weight (the image stream). With fewer (a short text
+    stream: 256 tokens for a 3072 x 3072 weight) ComfyUI scales x instead of the weight,
+    F.linear(x * scale, weight, bias), which rounds differently; the fallback keeps one form."""
+    import comfy.ops
+
+    ops = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
+    x, weight, scale_weight, b = _linear_inputs((2, 65), 48, 64, torch.bfloat16, seed=10)
+    assert x.numel() > weight.numel()
+    linear = ops.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    linear.bias = torch.nn.Parameter(b, requires_grad=False)
+    linear.scale_weight = torch.nn.Parameter(scale_weight, requires_grad=False)
+    with torch.inference_mode():
+        comfy_out = linear(x)
+        out = fp8_linear_reference(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, comfy_out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"x": torch.float32}, "activation dtype torch.float32 is not bfloat16 or float16"),
+        ({"weight": torch.bfloat16}, "weight dtype torch.bfloat16 is not float8_e4m3fn"),
+        ({"n": 40}, "weight shape (40, 64) is not a multiple of 16"),
+        ({"k": 72}, "weight shape (48, 72) is not a multiple of 16"),
+        ({"per_channel": True}, "scale_weight is not one value per tensor"),
+        ({"grad": True}, "require grad"),
+    ],
+)
+def test_fallback_branches(monkeypatch, fresh_log, change, reason):
+    """As if on an fp8 GPU (fp8_gemm_reason patched to None): each other check of the
+    dispatcher sends the call to the reference. A per-channel (N, 1) scale still broadcasts
+    there."""
+    monkeypatch.setattr(mod, "fp8_gemm_reason", lambda device: None)
+    n, k = change.get("n", 48), change.get("k", 64)
+    x, weight, scale_weight, b = _linear_inputs((3,), n, k, torch.bfloat16, seed=11)
+    x = x.to(change.get("x", x.dtype))
+    if "weight" in change:
+        weight = (weight.float() * scale_weight).to(change["weight"])
+        scale_weight = torch.ones(())
+    if change.get("per_channel"):
+        scale_weight = scale_weight.expand(n, 1) * torch.linspace(0.5, 2, n)[:, None]
+    if change.get("grad"):
+        b = b.clone().requires_grad_()
+    out = fp8_linear(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    assert_logged_once(fresh_log, OP, reason)
+
+
+def test_module_imports_without_triton(without_triton, caplog):
+    """A second copy of kernels/, imported with `import triton` failing, runs the references."""
+    copy = without_triton("fp8_linear")
+    assert not copy.HAS_TRITON and not hasattr(copy, "_quantize_rows_kernel")
+    x = _random((3, 64), torch.bfloat16)
+    _assert_quant_falls_back(x, caplog, "not installed", fn=copy.quantize_rows)
+    x, weight, scale_weight, b = _linear_inputs((3,), 48, 64, torch.bfloat16, seed=12)
+    out = copy.fp8_linear(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+
+
+# GPU: the kernel's rounding against float64, and the fp8 GEMMs at Qwen-Image's shapes.
+
+needs_fp8_gemm = pytest.mark.skipif(
+    not torch.cuda.is_available() or fp8_gemm_reason(torch.device("cuda")) is not None,
+    reason="needs a CUDA GPU with fp8 GEMMs (compute capability 8.9+)",
+)
+
+
+def _assert_fp8_precision(xq, s, exact):
+    """x_fp8 * scale is within half an fp8 ulp of the float64 `exact`: e4m3 keeps 3 mantissa
+    bits, so 2^-4 of |exact| for normal values, and half the subnormal step (2^-9 / 2) times
+    the scale below 2^-6 * scale; a little slack for the float32 division and GELU."""
+    deq = xq.double() * s.double()
+    bound = (2**-4 + 1e-5) * exact.abs() + 2**-10 * s.double()
+    excess = ((deq - exact).abs() / bound).max().item()
+    assert excess <= 1, excess
+
+
+GPU_QUANT_SHAPES = [(257, 3072), (3, 12288), (5, 123)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GPU_QUANT_SHAPES)
+def test_gpu_quantize_rows_precision(kernel_only, shape, dtype, gelu):
+    """Rows of magnitudes 1e-3 .. 1e3 and a zero row, through the compiled kernel. Round to
+    nearest gives at most 16/17 of the bound (half an ulp just above a power of two); one
+    ulp off anywhere breaks it. (Triton's float32 `/` is not IEEE-rounded, so a few elements
+    in a million may sit on the other side of a tie from the reference's: still half an ulp.)"""
+    m, k = shape
+    g = torch.Generator().manual_seed(m + k)
+    mags = 10.0 ** torch.linspace(-3, 3, m)
+    x = (torch.randn(m, k, generator=g) * mags[:, None]).to(dtype=dtype, device="cuda")
+    x[m // 2] = 0
+    xq, s = quantize_rows(x, gelu)
+    assert xq.dtype == FP8 and s.shape == (m, 1)
+    exact = _gelu_tanh(x.double()) if gelu else x.double()
+    scale = (exact.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    torch.testing.assert_close(s.double(), scale, rtol=1e-5 if gelu else 1e-6, atol=0)
+    assert s[m // 2, 0].item() == torch.tensor(MIN_SCALE).item() and not xq[m // 2].float().any()
+    _assert_fp8_precision(xq, s, exact)
+
+
+def _rel_l2(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+# (lead, N, K, bias, gelu_input): Qwen-Image's attention projection over an odd row count,
+# one token of the modulation's 6 x 3072, the MLP's second linear (GELU fused) in batch.
+GPU_LINEAR_CASES = [
+    ((257,), 3072, 3072, True, False),
+    ((1,), 18432, 3072, False, False),
+    ((2, 113), 3072, 12288, True, True),
+]
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+@pytest.mark.parametrize("lead,n,k,bias,gelu_input", GPU_LINEAR_CASES)
+def test_gpu_fp8_linear_matches_fp32(kernel_only, lead, n, k, bias, gelu_input):
+    """Against float32 compute on the dequantized weight: only the activations' fp8 rounding
+    separates them (2.6% relative L2 on an H200; bf16 compute on the same weight: 0.3%)."""
+    args = _linear_inputs(lead, n, k, torch.bfloat16, seed=n + k, device="cuda", bias=bias)
+    x, weight, scale_weight, b = args
+    out = fp8_linear(x, weight, scale_weight, b, gelu_input)
+    assert out.dtype == torch.bfloat16 and out.shape == (*lead, n)
+    x32 = _gelu_tanh(x.float()) if gelu_input else x.float()
+    ref = F.linear(x32, weight.float() * scale_weight, None if b is None else b.float())
+    assert _rel_l2(out, ref) < 5e-2
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+def test_gpu_fp8_linear_float16(kernel_only):
+    x, weight, scale_weight, b = _linear_inputs((33,), 3072, 3072, torch.float16, 13, "cuda")
+    out = fp8_linear(x, weight, scale_weight, b)
+    assert out.dtype == torch.float16
+    ref = F.linear(x.float(), weight.float() * scale_weight, b.float())
+    assert _rel_l2(out, ref) < 5e-2
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+def test_gpu_fp8_linear_large_rows(kernel_only):
+    """Every other row scaled by 1e4: per-row scales keep each row's own relative error (2.8%
+    at most on an H200; one per-tensor scale gives 5.8% on the small rows), and nothing
+    overflows."""
+    x, weight, scale_weight, b = _linear_inputs((64,), 3072, 3072, torch.bfloat16, 14, "cuda")
+    x[::2] *= 1e4
+    out = fp8_linear(x, weight, scale_weight, b)
+    assert out.isfinite().all()
+    ref = F.linear(x.float(), weight.float() * scale_weight, b.float())
+    row_err = (out.float() - ref).norm(dim=1) / ref.norm(dim=1)
+    assert row_err.max().item() < 5e-2, row_err
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+def test_gpu_cuda_graph_capture(kernel_only):
+    x, weight, scale_weight, b = _linear_inputs((33,), 3072, 3072, torch.bfloat16, 15, "cuda")
+    assert_cuda_graph_replays(lambda: fp8_linear(x, weight, scale_weight, b, True), x, 0)

@@ -1,0 +1,322 @@
+"""Optimized Loader on CPU: config from the weights, the fused block against ComfyUI's and
+diffusers' blocks, weight modes, diffusers folders, LoRA on fp8, attention, clear errors."""
+
+import logging
+
+import comfy.model_management as mm
+import comfy.sd
+import folder_paths
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen_turbo.kernels.fp8_linear import FP8
+from qwen_turbo.nodes.loader import Loader
+from qwen_turbo.runtime import qwen_dit, qwen_loader
+from tests.harness import models
+from tests.kernels.common import assert_error_rule
+
+
+@pytest.fixture(scope="module")
+def narrow_sd():
+    return load_file(str(models.qwen_dit_narrow_file()))
+
+
+@pytest.fixture
+def diffusion_models(models_dir, monkeypatch):
+    """folder_paths' diffusion_models pointed at the test models tree (this test only)."""
+    root = models_dir / "diffusion_models"
+    monkeypatch.setitem(
+        folder_paths.folder_names_and_paths, "diffusion_models", ([str(root)], {".safetensors"})
+    )
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    return root
+
+
+def _inputs(cfg: qwen_dit.DiTConfig, seed=1, h=12, w=10, tokens=7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, cfg.out_channels, 1, h, w, generator=g)
+    ctx = torch.randn(1, tokens, cfg.joint_attention_dim, generator=g)
+    return x, ctx
+
+
+def _forward(patcher, x, ctx):
+    """One forward as a sampler runs it: loaded (patched) and run under inference_mode, as
+    ComfyUI's executor runs every node."""
+    opts = dict(patcher.model_options.get("transformer_options", {}), wrappers=patcher.wrappers)
+    with torch.inference_mode():
+        mm.load_models_gpu([patcher])
+        out = patcher.model.apply_model(
+            x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options=opts
+        )
+    return out.float()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def test_config_read_from_full_width_and_narrow_weights(narrow_sd):
+    full = qwen_dit.read_config(load_file(str(models.qwen_dit_file())))
+    assert full == qwen_dit.DiTConfig(64, 16, 1, 128, 24, 3584, (16, 56, 56))
+    narrow = qwen_dit.read_config(narrow_sd)
+    assert narrow == qwen_dit.DiTConfig(64, 16, 2, 32, 4, 64, (4, 14, 14))
+    assert narrow.width == 128
+    prefixed = {"model.diffusion_model." + k: v for k, v in narrow_sd.items()}
+    assert qwen_dit.read_config(qwen_dit.strip_prefix(prefixed)) == narrow
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_default_rope_axes_split_the_head(head_dim):
+    axes = qwen_dit.default_rope_axes(head_dim)
+    assert sum(axes) == head_dim and all(a % 2 == 0 and a > 0 for a in axes)
+
+
+def test_wrong_files_are_named(narrow_sd):
+    vae = load_file(str(models.qwen_vae_file()))
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="a Wan / Qwen-Image VAE"):
+        qwen_dit.read_config(vae)
+    lora = load_file(str(models.narrow_lora_file()))
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="a LoRA"):
+        qwen_dit.read_config(lora)
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="no Qwen-Image DiT keys.*'foo.bar'"):
+        qwen_dit.read_config({"foo.bar": torch.ones(2)})
+    broken = {k: v for k, v in narrow_sd.items() if not k.startswith("transformer_blocks.0.")}
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="norm_q"):
+        qwen_dit.read_config(broken)
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="RoPE axes"):
+        qwen_dit.read_config(narrow_sd, rope_axes=[16, 56, 56])
+
+
+def test_node_errors_name_the_problem(diffusion_models, models_dir):
+    with pytest.raises(FileNotFoundError, match="not found in .*diffusion_models.*Comfy-Org"):
+        Loader.execute("missing.safetensors", "auto", "auto", True, "off")
+    (diffusion_models / "vae_by_mistake.safetensors").symlink_to(models.qwen_vae_file())
+    try:
+        with pytest.raises(ValueError, match="vae_by_mistake.*not a Qwen-Image DiT.*VAE"):
+            Loader.execute("vae_by_mistake.safetensors", "auto", "auto", True, "off")
+    finally:
+        (diffusion_models / "vae_by_mistake.safetensors").unlink()
+
+
+# --- the fused block ----------------------------------------------------------------------
+
+
+def _block_inputs(width, dtype, seed=3, n_img=37, n_txt=11, head_dim=32):
+    from comfy.ldm.flux.layers import EmbedND
+
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(1, n_img, width, generator=g) * 2
+    txt = torch.randn(1, n_txt, width, generator=g)
+    temb = torch.randn(1, width, generator=g)
+    ids = torch.randn(1, n_img + n_txt, 3, generator=g) * 20
+    axes = qwen_dit.default_rope_axes(head_dim)
+    freqs = EmbedND(dim=head_dim, theta=10000, axes_dim=list(axes))(ids).squeeze(1).unsqueeze(2)
+    return [t.to(dtype) for t in (img, txt, temb, freqs)]
+
+
+def _comfy_block(dtype):
+    import comfy.ops
+    from comfy.ldm.qwen_image.model import QwenImageTransformerBlock
+
+    block = QwenImageTransformerBlock(128, 4, 32, operations=comfy.ops.disable_weight_init)
+    block.load_state_dict(models.random_state_dict(block, seed=5))
+    return block.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_equals_comfy_block(dtype):
+    import comfy.ldm.qwen_image.model as qm
+
+    block = _comfy_block(dtype)
+    img, txt, temb, freqs = _block_inputs(128, dtype)
+    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked)
+    with torch.inference_mode():
+        out = fused(img, txt, None, temb, freqs)
+        eager = block(img, txt, None, temb, freqs)
+        exact = _comfy_block(torch.float64)(*(t.double() for t in (img, txt)), None,
+                                            temb.double(), freqs.double())  # fmt: skip
+    for o, e, x in zip(out, eager, exact, strict=True):
+        assert o.dtype == dtype and o.isfinite().all()
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+        else:
+            assert_error_rule(o, x, e, atol=2 * torch.finfo(dtype).eps * x.abs().max().item())
+
+
+def test_fused_block_equals_diffusers_block():
+    """diffusers' QwenImageTransformerBlock with the same weights (same key names) and the
+    same rotations as complex numbers: (cos + i sin) per pair."""
+    import comfy.ldm.qwen_image.model as qm
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    block = _comfy_block(torch.float32)
+    theirs = QwenImageTransformerBlock(dim=128, num_attention_heads=4, attention_head_dim=32)
+    missing, unexpected = theirs.load_state_dict(block.state_dict(), strict=False)
+    assert not unexpected and not [k for k in missing if "weight" in k or "bias" in k]
+    img, txt, temb, freqs = _block_inputs(128, torch.float32)
+    rot = torch.complex(freqs[0, :, 0, :, 0, 0], freqs[0, :, 0, :, 1, 0])  # (L, Dh/2)
+    n_txt = txt.shape[1]
+    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked)
+    with torch.inference_mode():
+        ours = fused(img, txt, None, temb, freqs)
+        ref = theirs(img, txt, None, temb, image_rotary_emb=(rot[n_txt:], rot[:n_txt]))
+    for o, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def test_loader_equals_stock_unetloader():
+    """Full width, one layer: fused off gives UNETLoader's output bit for bit; fused on
+    within float32 rounding."""
+    path = models.qwen_dit_file()
+    stock = comfy.sd.load_diffusion_model(str(path))
+    sd, cfg = qwen_loader.read_checkpoint(path)
+    x, ctx = _inputs(cfg, h=8, w=6, tokens=5)
+    ref = _forward(stock, x, ctx)
+    plain = qwen_loader.build(dict(sd), cfg)
+    torch.testing.assert_close(_forward(plain, x, ctx), ref, rtol=0, atol=0)
+    qwen_loader.add_fused_blocks(plain)
+    assert _rel(_forward(plain, x, ctx), ref) < 1e-5
+    mm.unload_all_models()
+
+
+def test_diffusers_folder_loads_the_same_weights(tmp_path, narrow_sd):
+    folder = models.diffusers_folder(models.qwen_dit_narrow_file(), tmp_path, shards=3)
+    assert len(list((folder / "transformer").glob("*.safetensors"))) == 3
+    sd, cfg = qwen_loader.read_checkpoint(folder)
+    assert cfg == qwen_dit.read_config(narrow_sd)
+    assert sd.keys() == narrow_sd.keys()
+    assert all(torch.equal(sd[k], narrow_sd[k]) for k in sd)
+    (folder / "transformer" / next(iter(sorted((folder / "transformer").glob("*-00002-*"))))
+     .name).unlink()  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="listed in the index but missing"):
+        qwen_loader.read_checkpoint(folder)
+
+
+def test_model_names_list_files_and_diffusers_folders(diffusion_models):
+    names = qwen_loader.model_names()
+    assert models.qwen_dit_narrow_file().name in names
+    folder = models.qwen_dit_narrow_file().stem + "/"
+    assert folder in names
+    assert qwen_loader.resolve(folder) == diffusion_models / folder.rstrip("/")
+
+
+def test_fp8_storage_is_scaled_and_close(narrow_sd):
+    cfg = qwen_dit.read_config(narrow_sd)
+    x, ctx = _inputs(cfg)
+    ref = _forward(qwen_loader.build(dict(narrow_sd), cfg, "bf16"), x, ctx)
+    patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn")
+    to_q = patcher.model.diffusion_model.transformer_blocks[0].attn.to_q
+    assert to_q.weight.dtype == FP8
+    w = narrow_sd["transformer_blocks.0.attn.to_q.weight"].float()
+    torch.testing.assert_close(to_q.scale_weight.float(), w.abs().amax() * qwen_dit.HEADROOM / 448)
+    out = _forward(patcher, x, ctx)
+    assert out.isfinite().all() and 0 < _rel(out, ref) < 5e-2
+    mm.unload_all_models()
+
+
+def test_fp8_fast_without_fp8_gemms_falls_back_and_logs(narrow_sd, caplog):
+    cfg = qwen_dit.read_config(narrow_sd)
+    with caplog.at_level(logging.WARNING, logger=qwen_loader.log.name):
+        patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn_fast")
+    assert "fp8 GEMMs need a CUDA GPU, not cpu; using fp8 storage" in caplog.text
+    assert patcher.qwen_turbo_weights == "fp8_e4m3fn"
+
+
+def test_fp8_file_round_trips_through_bf16(narrow_sd):
+    """A plain fp8 file (no scales, as Comfy-Org's): auto keeps fp8 storage; bf16 dequantizes."""
+    fp8_sd = {k: v.to(FP8) if qwen_dit.is_linear_weight(k, v) else v for k, v in narrow_sd.items()}
+    cfg = qwen_dit.read_config(fp8_sd)
+    auto = qwen_loader.build(dict(fp8_sd), cfg, "auto")
+    assert auto.qwen_turbo_weights == "fp8_e4m3fn"
+    bf16 = qwen_loader.build(dict(fp8_sd), cfg, "bf16")
+    x, ctx = _inputs(cfg)
+    torch.testing.assert_close(_forward(auto, x, ctx), _forward(bf16, x, ctx), rtol=2e-2, atol=2e-2)
+    mm.unload_all_models()
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
+def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
+    """LoraLoaderModelOnly's path on our MODEL equals merging the LoRA into the weights."""
+    cfg = qwen_dit.read_config(narrow_sd)
+    lora = load_file(str(models.narrow_lora_file()))
+    merged = dict(narrow_sd)
+    for key in lora:
+        if key.endswith(".lora_up.weight"):
+            base = key[len("diffusion_model.") : -len(".lora_up.weight")] + ".weight"
+            down = lora[key.replace("lora_up", "lora_down")].float()
+            merged[base] = (narrow_sd[base].float() + lora[key].float() @ down).to(torch.bfloat16)
+    x, ctx = _inputs(cfg)
+    patcher = qwen_loader.build(dict(narrow_sd), cfg, weight_dtype)
+    qwen_loader.add_fused_blocks(patcher)
+    with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+    out = _forward(with_lora, x, ctx)
+    want = _forward(qwen_loader.build(merged, cfg, weight_dtype), x, ctx)
+    without = _forward(patcher, x, ctx)
+    tol = 1e-2 if weight_dtype == "bf16" else 6e-2
+    assert _rel(out, want) < tol < _rel(without, want)
+    mm.unload_all_models()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_attention_choice_keeps_the_result(narrow_sd, attention):
+    cfg = qwen_dit.read_config(narrow_sd)
+    x, ctx = _inputs(cfg)
+    patcher = qwen_loader.build(dict(narrow_sd), cfg)
+    ref = _forward(patcher, x, ctx)
+    chosen = patcher.clone()
+    qwen_loader.set_attention(chosen, attention)
+    assert "optimized_attention_override" in chosen.model_options["transformer_options"]
+    assert "optimized_attention_override" not in patcher.model_options["transformer_options"]
+    torch.testing.assert_close(_forward(chosen, x, ctx), ref, rtol=1e-5, atol=1e-5)
+    mm.unload_all_models()
+
+
+def test_regional_compile_wraps_each_block(narrow_sd):
+    from comfy.patcher_extension import WrappersMP
+
+    patcher = qwen_loader.build(dict(narrow_sd), qwen_dit.read_config(narrow_sd))
+    qwen_loader.compile_blocks(patcher)
+    assert patcher.model_options["torch_compile_kwargs"]["backend"] == "inductor"
+    assert "torch.compile" in patcher.wrappers[WrappersMP.APPLY_MODEL]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_block_full_width_on_gpu():
+    """Qwen-Image's real block (3072 wide, 24 heads) in bf16 at 1328^2 image tokens + 256 text
+    tokens: fused against ComfyUI's, both against the float32 block."""
+    import comfy.ldm.qwen_image.model as qm
+    import comfy.ops
+    from comfy.ldm.flux.layers import EmbedND
+    from comfy.ldm.qwen_image.model import QwenImageTransformerBlock
+
+    def block(dtype):
+        b = QwenImageTransformerBlock(3072, 24, 128, operations=comfy.ops.disable_weight_init)
+        b.load_state_dict(models.random_state_dict(b, seed=5))
+        return b.to("cuda", dtype)
+
+    g = torch.Generator().manual_seed(3)
+    n_img, n_txt = 83 * 83, 256
+    img, txt = torch.randn(1, n_img, 3072, generator=g), torch.randn(1, n_txt, 3072, generator=g)
+    temb = torch.randn(1, 3072, generator=g)
+    ids = torch.randn(1, n_img + n_txt, 3, generator=g) * 40
+    freqs = EmbedND(dim=128, theta=10000, axes_dim=[16, 56, 56])(ids).squeeze(1).unsqueeze(2)
+    args32 = [t.cuda() for t in (img, txt, temb, freqs)]
+    args16 = [t.to(torch.bfloat16) for t in args32]
+    ours, stock = block(torch.bfloat16), block(torch.float32)
+    with torch.inference_mode():
+        fused = qwen_dit.fused_block_forward(ours, qm.optimized_attention_masked)
+        out = fused(args16[0], args16[1], None, args16[2], args16[3])
+        eager = ours(args16[0], args16[1], None, args16[2], args16[3])
+        exact = stock(args32[0], args32[1], None, args32[2], args32[3])
+    for o, e, x in zip(out, eager, exact, strict=True):
+        assert o.isfinite().all()
+        assert _rel(o.float(), x) <= 2 * _rel(e.float(), x) + 1e-3
+        assert _rel(o.float(), e.float()) < 1e-2
