@@ -150,16 +150,25 @@ def sd_vae(seed: int = 0):
     return comfy.sd.VAE(sd=random_state_dict(sd_vae_module(), seed))
 
 
-def narrow_lora_file(seed: int = 0, rank: int = 4) -> Path:
-    """A LoRA (lora_up/lora_down, ComfyUI's generic key names) on the narrow DiT's image MLPs
-    and q projections, strong enough to change the output visibly."""
-    path = cache_dir() / f"qwen_image_narrow_lora_random-v{VERSION}-s{seed}.safetensors"
+def narrow_lora_file(seed: int = 0) -> Path:
+    return _lora_file("qwen_image_narrow_lora_random", qwen_dit_module(2, **NARROW), seed)
+
+
+def full_lora_file(seed: int = 0) -> Path:
+    """A LoRA for the full-width one-layer DiT (stands in for the Lightning LoRA)."""
+    return _lora_file("qwen_image_lora_random", qwen_dit_module(1), seed)
+
+
+def _lora_file(name: str, module, seed: int, rank: int = 4) -> Path:
+    """A LoRA (lora_up/lora_down, ComfyUI's generic key names) on the DiT's image MLPs and q
+    projections, strong enough to change the output visibly."""
+    path = cache_dir() / f"{name}-v{VERSION}-s{seed}.safetensors"
     if not path.exists():
         g = torch.Generator().manual_seed(seed)
         sd = {}
-        for name, p in qwen_dit_module(2, **NARROW).state_dict().items():
-            if name.endswith(("img_mlp.net.2.weight", "attn.to_q.weight")):
-                key = "diffusion_model." + name[: -len(".weight")]
+        for weight, p in module.state_dict().items():
+            if weight.endswith(("img_mlp.net.2.weight", "attn.to_q.weight")):
+                key = "diffusion_model." + weight[: -len(".weight")]
                 sd[key + ".lora_up.weight"] = torch.randn(p.shape[0], rank, generator=g) * 0.3
                 sd[key + ".lora_down.weight"] = torch.randn(rank, p.shape[1], generator=g) * 0.3
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +185,7 @@ def models_tree(root: Path) -> Path:
     for sub, files in {
         "diffusion_models": [qwen_dit_file(), qwen_dit_narrow_file()],
         "vae": [qwen_vae_file()],
-        "loras": [narrow_lora_file()],
+        "loras": [narrow_lora_file(), full_lora_file()],
     }.items():
         d = root / sub
         d.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,103 @@
+"""The bundled workflows: each validates at full size against the real server's /object_info,
+and runs end to end on the tiny random models through the real executor (the text encoder
+replaced by the test conditioning node, sizes and steps scaled down for CPU)."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.harness import models
+from tests.harness.comfyui import ROOT
+from tests.harness.workflow import ui_to_api
+
+WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
+FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
+# Full-size side -> CPU side (latent 8x smaller; both multiples of 16).
+SCALED = {2512: 64, 1328: 32}
+
+
+def test_every_expected_workflow_is_bundled():
+    names = {p.name for p in WORKFLOWS}
+    assert names == {
+        "qwen_image_2512_t2i_2512px.json",
+        "qwen_image_2512_turbo_2512px.json",
+        "qwen_image_2512_hires_2512px.json",
+        "qwen_image_2512_t2i_1328px.json",
+    }
+
+
+def test_workflows_are_in_the_templates_menu(comfy_server):
+    templates = comfy_server.get("/workflow_templates")
+    (listed,) = [v for k, v in templates.items() if "qwen" in k.lower()]
+    assert sorted(listed) == sorted(p.stem for p in WORKFLOWS)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_full_size_graph_is_valid(comfy_server, path):
+    info = comfy_server.get("/object_info")
+    ui = json.loads(path.read_text())
+    api = ui_to_api(ui, info)  # node types and widget counts
+    for node_id, node in api.items():
+        spec = info[node["class_type"]]["input"]
+        for name, value in node["inputs"].items():
+            kind = (spec.get("required", {}) | spec.get("optional", {}))[name][0]
+            options = kind if isinstance(kind, list) else None
+            if kind == "COMBO":
+                options = (spec.get("required", {}) | spec.get("optional", {}))[name][1]["options"]
+            if options is not None and name not in FILE_INPUTS:
+                assert value in options, (node_id, name, value)
+    for node in ui["nodes"]:
+        if node["type"] in LOADERS:
+            (model,) = node["properties"]["models"]
+            assert model["name"] in node["widgets_values"]
+            assert model["url"].startswith("https://huggingface.co/") and model["url"].endswith(
+                model["name"]
+            )
+            assert model["directory"] in {"diffusion_models", "text_encoders", "vae", "loras"}
+    sizes = [n["inputs"]["width"] for n in api.values() if "width" in n["inputs"]]
+    assert all(s % 16 == 0 for s in sizes) and max(sizes) in (1328, 2512)
+
+
+def scaled_for_cpu(api: dict) -> dict:
+    """The graph on the tiny models: CLIP nodes -> test conditioning, files -> tiny files,
+    sizes per SCALED, 2 steps."""
+    files = {
+        "unet_name": models.qwen_dit_file().name,
+        "vae_name": models.qwen_vae_file().name,
+        "lora_name": models.full_lora_file().name,
+    }
+    out = {}
+    for node_id, node in api.items():
+        kind, inputs = node["class_type"], dict(node["inputs"])
+        if kind == "CLIPLoader":
+            continue
+        if kind == "CLIPTextEncode":
+            seed = int(node_id)  # different seeds and lengths for the two prompts
+            cond = {"seed": seed, "tokens": 8 + seed, "width": 3584}
+            out[node_id] = {"class_type": "QwenTurboTestConditioning", "inputs": cond}
+            continue
+        for name in inputs:
+            if name in files:
+                inputs[name] = files[name]
+            elif name in ("width", "height"):
+                inputs[name] = SCALED[inputs[name]]
+            elif name == "steps":
+                inputs[name] = 2
+        out[node_id] = {"class_type": kind, "inputs": inputs}
+    return out
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_workflow_runs_on_tiny_models(comfy_server, path):
+    ui = json.loads(path.read_text())
+    api = scaled_for_cpu(ui_to_api(ui, comfy_server.get("/object_info")))
+    entry = comfy_server.run(api)
+    (save,) = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
+    (image,) = comfy_server.images(entry, save)
+    pixels = np.asarray(Image.open(image).convert("RGB"))
+    side = SCALED[1328 if path.stem.endswith("1328px") else 2512]
+    assert pixels.shape == (side, side, 3)
+    assert pixels.std() > 1, "flat image"
