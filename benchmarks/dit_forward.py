@@ -29,28 +29,6 @@ VARIANTS = {
 }
 
 
-def random_state_dict(layers: int):
-    """Qwen-Image's weights at full width on the GPU, bf16: W ~ N(0, 1/fan_in)."""
-    import comfy.ops
-    import torch
-    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.device("cuda"):
-        m = QwenImageTransformer2DModel(
-            num_layers=layers, dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init
-        )
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0, p[0].numel() ** -0.5, generator=g)
-            elif name.endswith("weight"):
-                p.normal_(1, 0.1, generator=g)
-            else:
-                p.normal_(0, 0.02, generator=g)
-    return dict(m.state_dict())
-
-
 def load(variant, sd):
     import comfy.sd
 
@@ -73,42 +51,6 @@ def load(variant, sd):
     return patcher
 
 
-def forward_fn(patcher, size, tokens=256):
-    """A closure running one forward through BaseModel.apply_model, as samplers call it."""
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn((1, 16, 1, size // 8, size // 8), device="cuda", generator=g)
-    ctx = torch.randn((1, tokens, 3584), device="cuda", generator=g, dtype=torch.bfloat16)
-    sigma = torch.tensor([0.6], device="cuda")
-    opts = patcher.model_options.get("transformer_options", {})
-    wrappers = patcher.wrappers
-    base = patcher.model
-
-    def run():
-        with torch.inference_mode():
-            opts_run = dict(opts, wrappers=wrappers)
-            return base.apply_model(x, sigma, c_crossattn=ctx, transformer_options=opts_run)
-
-    return run
-
-
-def timed(fn, repeats):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1328, 2512])
@@ -121,9 +63,11 @@ def main():
     import comfy.model_management as mm
     import torch
 
+    from qwen_turbo.runtime.bench import forward_fn, qwen_dit_state_dict, timed
+
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")
-    sd = random_state_dict(a.layers)
+    sd = qwen_dit_state_dict(a.layers, "cuda")
     rows, ref = [], {}
     for variant in a.variants:
         patcher = load(variant, sd)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qwen_turbo.runtime.workflow import ui_to_api
 from tests.harness import models
-from tests.harness.workflow import ui_to_api
 
 WORKFLOWS = Path(__file__).parent / "workflows"
 

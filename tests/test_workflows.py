@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qwen_turbo.runtime.workflow import ui_to_api
 from tests.harness import models
 from tests.harness.comfyui import ROOT
-from tests.harness.workflow import ui_to_api
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}

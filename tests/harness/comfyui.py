@@ -10,27 +10,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from runtime.comfy_home import HOW_TO_PROVIDE, find_comfyui  # noqa: F401  (the pack's own lookup)
+
 ROOT = Path(__file__).resolve().parents[2]
-HOW_TO_PROVIDE = (
-    "no ComfyUI found. Set COMFYUI_PATH=/path/to/ComfyUI, put this pack in "
-    "ComfyUI/custom_nodes/, or check ComfyUI out at ~/comfy/ComfyUI."
-)
-
-
-def _is_comfyui(path: Path) -> bool:
-    return (path / "main.py").is_file() and (path / "comfy").is_dir()
-
-
-def find_comfyui() -> Path | None:
-    """COMFYUI_PATH, then an ancestor folder (pack in custom_nodes/), then ~/comfy/ComfyUI."""
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        return Path(env).resolve() if _is_comfyui(Path(env)) else None
-    for parent in ROOT.parents:
-        if _is_comfyui(parent):
-            return parent
-    home = Path.home() / "comfy" / "ComfyUI"
-    return home if _is_comfyui(home) else None
 
 
 def _error_text(entry: dict) -> str:

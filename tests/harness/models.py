@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime import bench
+from runtime.bench import random_state_dict
+
 VERSION = 1  # bump when a recipe changes
 
 
@@ -20,34 +23,9 @@ def cache_dir() -> Path:
     return root / "test-models"
 
 
-def random_state_dict(module: torch.nn.Module, seed: int, dtype=torch.float32) -> dict:
-    """Weights with unit-variance activations: W ~ N(0, 1/fan_in), norm gains ~ N(1, 0.1)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, p in module.state_dict(keep_vars=True).items():
-        if p.ndim > 1:
-            t = torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5
-        elif name.endswith(("gamma", "weight")):  # 1-D weights are norm gains
-            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-        else:
-            t = 0.05 * torch.randn(p.shape, generator=g)
-        sd[name] = t.to(dtype).contiguous()
-    return sd
-
-
 def qwen_vae_module():
-    """The Qwen-Image VAE: ComfyUI's Wan 2.1 VAE at full width (dim 96, z 16)."""
-    from comfy.ldm.wan.vae import WanVAE
-
-    with torch.device("meta"):
-        return WanVAE(
-            dim=96,
-            z_dim=16,
-            dim_mult=[1, 2, 4, 4],
-            num_res_blocks=2,
-            attn_scales=[],
-            temperal_downsample=[False, True, True],
-        )
+    """The Qwen-Image VAE: ComfyUI's Wan 2.1 VAE at full width (dim 96, z 16), on meta."""
+    return bench.qwen_vae_module()
 
 
 def sd_vae_module(z_channels: int = 4):
@@ -67,9 +45,7 @@ def sd_vae_module(z_channels: int = 4):
 
 
 # A narrow Qwen-Image DiT: 4 heads of 32 (width 128), text width 64, RoPE (4, 14, 14).
-NARROW = dict(
-    attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(4, 14, 14)
-)
+NARROW = bench.NARROW
 
 
 def qwen_dit_module(num_layers: int = 1, **config):

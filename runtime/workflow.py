@@ -1,4 +1,5 @@
-"""UI-format workflow JSON -> API-format prompt, using the server's /object_info."""
+"""UI-format workflow JSON -> API-format prompt, using /object_info (or the same built from
+the loaded node classes). Pure Python."""
 
 SEED_NAMES = ("seed", "noise_seed")
 VIRTUAL = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
@@ -51,3 +52,12 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
                 inputs[inp["name"]] = [str(src), slot]
         prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs}
     return prompt
+
+
+def object_info(node_classes: dict) -> dict:
+    """The parts of /object_info that `ui_to_api` reads, from NODE_CLASS_MAPPINGS."""
+    info = {}
+    for name, cls in node_classes.items():
+        spec = cls.INPUT_TYPES()
+        info[name] = {"input": spec, "input_order": {k: list(v) for k, v in spec.items()}}
+    return info

@@ -1,0 +1,50 @@
+"""python -m qwen_turbo {bench,run}: see the speed-up on this GPU, or run a bundled workflow
+headless. Run from the folder holding the pack (ComfyUI/custom_nodes)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwen_turbo", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser(
+        "bench",
+        help="stock vs pack on random full-size weights: one DiT forward and one VAE decode",
+        description="Random full-size Qwen-Image weights (nothing to download): one DiT forward "
+        "and one VAE decode, stock ComfyUI and this pack side by side. Without CUDA it runs a "
+        "small CPU demonstration.",
+    )
+    b.add_argument("--size", type=int, default=1328, help="image side in pixels (multiple of 16)")
+    b.add_argument("--layers", type=int, default=60,
+                   help="DiT layers (60 = the real model; fewer fit smaller GPUs)")  # fmt: skip
+    r = sub.add_parser(
+        "run",
+        help="run a workflow (UI JSON) through ComfyUI's executor and save the PNG",
+        description="Runs a workflow through ComfyUI's executor with a progress bar, saves the "
+        "images and prints per-node timings. Missing model files are listed with where to "
+        "put them and where to download them.",
+    )
+    r.add_argument("workflow", type=Path, help="e.g. workflows/qwen_image_2512_turbo_2512px.json")
+    r.add_argument("--prompt", help="replaces the positive prompt")
+    r.add_argument("--seed", type=int, help="replaces every sampler's seed")
+    r.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
+    a = p.parse_args(argv)
+
+    from .runtime import headless
+
+    if a.command == "run":
+        if not a.workflow.is_file():
+            p.error(f"{a.workflow} is not a file")
+        headless.start_comfyui(a.out)
+        return headless.run(a.workflow, a.prompt, a.seed)
+    headless.start_comfyui()
+    from .runtime import bench
+
+    bench.main(a.size, a.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`python -m qwen_turbo bench` and `run`: help, the CPU demonstration, the list of missing
+model files, and a workflow run through ComfyUI's executor in this process."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import folder_paths
+import pytest
+
+import nodes
+from qwen_turbo.nodes import NODES
+from qwen_turbo.runtime import headless
+from tests.conftest import COMFY
+from tests.harness.comfyui import ROOT
+
+WORKFLOWS = ROOT / "workflows"
+
+
+def _cli(tmp_path, *args, timeout=600):
+    """The CLI as a user runs it: from the folder holding the pack, as package qwen_turbo."""
+    (tmp_path / "qwen_turbo").symlink_to(ROOT)
+    env = dict(os.environ, COMFYUI_PATH=str(COMFY))
+    return subprocess.run(
+        [sys.executable, "-m", "qwen_turbo", *args], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [[], ["bench"], ["run"]])
+def test_help(tmp_path, command):
+    r = _cli(tmp_path, *command, "--help")
+    assert r.returncode == 0 and "usage: python -m qwen_turbo" in r.stdout
+
+
+def test_run_lists_missing_model_files(tmp_path):
+    r = _cli(tmp_path, "run", str(WORKFLOWS / "qwen_image_2512_turbo_2512px.json"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    for name in ("qwen_image_2512_fp8_e4m3fn.safetensors", "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                 "qwen_image_vae.safetensors", "Lightning-4steps"):  # fmt: skip
+        assert name in r.stderr
+    assert r.stderr.count("download: https://huggingface.co/") == 4
+    assert "put it in" in r.stderr and "loras" in r.stderr
+
+
+def test_bench_without_cuda_runs_a_cpu_demonstration(tmp_path):
+    r = _cli(tmp_path, "bench", "--size", "64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "No CUDA GPU" in r.stdout
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [row["what"] for row in result["rows"]] == ["DiT forward, 2 layers", "VAE decode"]
+    assert all(row["rel_l2"] < 1e-3 and row["pack_ms"] > 0 for row in result["rows"])
+
+
+def test_bench_rejects_sizes_not_multiple_of_16(tmp_path):
+    r = _cli(tmp_path, "bench", "--size", "2500")
+    assert r.returncode != 0 and "2500 is not a multiple of 16; use 2496 or 2512" in r.stderr
+
+
+def test_run_executes_a_workflow(models_dir, tmp_path, monkeypatch, capsys):
+    """headless.run through PromptExecutor: images saved, timings printed; the seed applied."""
+    from tests.testing_nodes import TestConditioning
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    for node in [*NODES, TestConditioning]:
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.define_schema().node_id, node)
+    for kind in ("diffusion_models", "vae"):
+        paths = ([str(models_dir / kind)], {".safetensors"})
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
+    workflow = ROOT / "tests" / "workflows" / "tiny_qwen_vae.json"
+    assert headless.run(workflow, prompt=None, seed=5) == 0
+    out = capsys.readouterr().out
+    assert "QwenTurboVAEDecodeTiled" in out and "total" in out
+    assert len(list(tmp_path.glob("*.png"))) == 3
