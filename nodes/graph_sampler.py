@@ -1,5 +1,7 @@
 """CUDA Graph Sampler: KSampler whose model forwards replay captured CUDA graphs."""
 
+import copy
+
 import comfy.patcher_extension as pe
 import comfy.samplers
 from comfy_api.latest import io
@@ -7,6 +9,7 @@ from comfy_api.latest import io
 import nodes as comfy_nodes
 
 from ..runtime import cuda_graphs
+from . import report
 
 KEY = "qwen_turbo_cuda_graphs"
 CAPTURE_MODES = ["model forward", "off"]
@@ -25,6 +28,18 @@ def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs):
     model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, runner)
     model.add_callback_with_key(pe.CallbacksMP.ON_DETACH, KEY, _free_on_unload)
     return model
+
+
+def capture_off(model, capture: str) -> str:
+    return "capture off" if capture == "off" else f"runs on {model.load_device.type}"
+
+
+def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
+    """This run's share of the cache's counters: 'captured 1, replayed 3' or eager reasons."""
+    parts = [f"{name} {n}" for name in ("captured", "replayed", "eager")
+             if (n := getattr(after, name) - getattr(before, name))]  # fmt: skip
+    reasons = [r for r, n in after.reasons.items() if n > before.reasons.get(r, 0)]
+    return ", ".join(parts) + "".join(f"; fallback: {r}" for r in reasons)
 
 
 class CUDAGraphSampler(io.ComfyNode):
@@ -77,6 +92,7 @@ class CUDAGraphSampler(io.ComfyNode):
                 ),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+            hidden=[io.Hidden.unique_id],
         )  # fmt: skip
 
     @classmethod
@@ -84,10 +100,15 @@ class CUDAGraphSampler(io.ComfyNode):
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
         latent_image, denoise=1.0, capture=CAPTURE_MODES[0],
     ) -> io.NodeOutput:  # fmt: skip
-        if capture != "off" and model.load_device.type == "cuda":
-            model = with_cuda_graphs(model)
-        latent = comfy_nodes.common_ksampler(
-            model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-            denoise=denoise,
-        )[0]  # fmt: skip
+        graphs = capture != "off" and model.load_device.type == "cuda"
+        stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+        before = copy.deepcopy(stats)
+        with report.measured(cls.hidden.unique_id) as extra:
+            latent = comfy_nodes.common_ksampler(
+                with_cuda_graphs(model) if graphs else model, seed, steps, cfg, sampler_name,
+                scheduler, positive, negative, latent_image, denoise=denoise,
+            )[0]  # fmt: skip
+            extra["graphs"] = (
+                graph_status(before, stats) if graphs else f"off ({capture_off(model, capture)})"
+            )
         return io.NodeOutput(latent)

@@ -4,6 +4,7 @@ blocks; a plain MODEL for every stock node."""
 from comfy_api.latest import io
 
 from ..runtime import qwen_dit, qwen_loader
+from . import report
 
 
 class Loader(io.ComfyNode):
@@ -52,12 +53,15 @@ class Loader(io.ComfyNode):
                 ),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, for any sampler node.")],
+            hidden=[io.Hidden.unique_id],
         )  # fmt: skip
 
     @classmethod
     def execute(cls, unet_name, weight_dtype, attention, fused_kernels, compile) -> io.NodeOutput:
         try:
-            model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
+            with report.measured(cls.hidden.unique_id) as extra:
+                model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
+                extra["weights"] = model.qwen_turbo_weights
         except qwen_dit.NotQwenImageDiT as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

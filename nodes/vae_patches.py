@@ -6,6 +6,7 @@ import logging
 from comfy_api.latest import io
 
 from ..runtime import log_once, vae_patches
+from . import report
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ class FusedNormPatch(io.ComfyNode):
                 )
             ],
             outputs=[io.Vae.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, vae) -> io.NodeOutput:
-        return io.NodeOutput(patched_vae(vae, vae_patches.fused_norm_patches)[0])
+        with report.measured(cls.hidden.unique_id) as extra:
+            out, extra["patched"] = patched_vae(vae, vae_patches.fused_norm_patches)
+        return io.NodeOutput(out)
 
 
 class TextureUpsample(io.ComfyNode):
@@ -77,8 +81,11 @@ class TextureUpsample(io.ComfyNode):
                 )
             ],
             outputs=[io.Vae.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, vae) -> io.NodeOutput:
-        return io.NodeOutput(patched_vae(vae, vae_patches.upsample_patches)[0])
+        with report.measured(cls.hidden.unique_id) as extra:
+            out, extra["patched"] = patched_vae(vae, vae_patches.upsample_patches)
+        return io.NodeOutput(out)

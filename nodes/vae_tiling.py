@@ -8,6 +8,7 @@ import torch
 from comfy_api.latest import io
 
 from ..runtime import log_once, vae_tiling
+from . import report
 
 log = logging.getLogger(__name__)
 GiB = 1024**3
@@ -107,11 +108,13 @@ class VAEDecodeTiled(io.ComfyNode):
                 ),
             ],
             outputs=[io.Image.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, samples, vae, tile_size=0, vram_budget_gb=0.0) -> io.NodeOutput:
-        images = decode(vae, samples["samples"], tile_size, vram_budget_gb)
+        with report.measured(cls.hidden.unique_id):
+            images = decode(vae, samples["samples"], tile_size, vram_budget_gb)
         if images.ndim == 5:  # combine batches, as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
         return io.NodeOutput(images)

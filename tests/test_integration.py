@@ -120,3 +120,40 @@ def test_optimized_loader_workflow(comfy_server):
     assert np.abs(pixels["1"] - pixels["2"]).max() <= 2  # ours vs UNETLoader: same picture
     assert np.array_equal(pixels["3"], pixels["4"])  # the folder holds the file's weights
     assert np.abs(pixels["5"] - pixels["3"]).mean() > 2  # the LoRA took effect
+
+
+def test_nodes_report_stats_to_the_frontend(comfy_server):
+    """Each pack node sends qwen_turbo.node_stats (what the badge shows) to the prompt's
+    client over the websocket: seconds, and the sampler's graph status."""
+    import asyncio
+
+    import aiohttp
+
+    info = comfy_server.get("/object_info")
+    apis = [ui_to_api(json.loads((WORKFLOWS / name).read_text()), info)
+            for name in ("tiny_qwen_vae.json", "tiny_qwen_sampler.json")]  # fmt: skip
+    apis[0]["6"]["inputs"]["seed"] += 1  # not cached from the other tests
+    apis[1]["7"]["inputs"]["seed"] += 1
+
+    async def listen():
+        url = comfy_server.url.replace("http", "ws") + "/ws?clientId=qwen-turbo-tests"
+        stats = {}
+        async with aiohttp.ClientSession() as session, session.ws_connect(url) as ws:
+            loop = asyncio.get_running_loop()
+            run = loop.run_in_executor(None, lambda: [comfy_server.run(a) for a in apis])
+            while not run.done():
+                try:
+                    msg = await ws.receive_json(timeout=1)
+                except asyncio.TimeoutError:
+                    continue
+                if msg["type"] == "qwen_turbo.node_stats":
+                    stats.setdefault(msg["data"]["node"], []).append(msg["data"])
+            await run
+        return stats
+
+    stats = asyncio.run(listen())
+    assert {"9", "12", "13", "14"} <= set(stats), stats  # VAE Tiling x2, the two patches
+    assert [s["patched"] > 0 for s in stats["12"] + stats["13"]] == [True, True]
+    (sampler,) = stats["7"]  # the CUDA Graph Sampler of the second workflow
+    assert sampler["graphs"] == "off (runs on cpu)" and sampler["seconds"] > 0
+    assert all(s["peak_vram_gib"] is None for runs in stats.values() for s in runs)

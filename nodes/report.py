@@ -1,0 +1,32 @@
+"""What a node did, for the frontend badge (js/qwen_turbo.js): wall time, peak VRAM and, for
+the sampler, the CUDA graph status, sent as a PromptServer message after the node runs."""
+
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+EVENT = "qwen_turbo.node_stats"
+
+
+def send(node_id, data: dict) -> None:
+    """Send to the prompt's client when a ComfyUI server runs this process (not the CLI)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None or node_id is None:
+        return
+    instance.send_sync(EVENT, {"node": str(node_id), **data}, instance.client_id)
+
+
+@contextmanager
+def measured(node_id):
+    """Time the block and its peak CUDA memory; the yielded dict takes extra fields."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    extra: dict = {}
+    yield extra
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    send(node_id, {"seconds": round(time.perf_counter() - t0, 3), "peak_vram_gib": peak, **extra})
