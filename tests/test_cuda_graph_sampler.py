@@ -171,3 +171,13 @@ def test_runner_falls_back_to_eager(kwargs, resident, reason, caplog):
     stats = cuda_graphs.cache_for(ex.class_obj).stats
     assert stats.captured == 0 and stats.eager == 1
     assert reason in caplog.text
+
+
+def test_graph_status_reports_this_run_only():
+    from qwen_turbo.nodes.graph_sampler import graph_status
+    from qwen_turbo.runtime.cuda_graphs import Stats
+
+    before = Stats(captured=1, replayed=5, reasons={"lowvram": 2})
+    after = Stats(captured=2, replayed=8, eager=1, reasons={"lowvram": 2, "new reason": 1})
+    assert graph_status(before, after) == "captured 1, replayed 3, eager 1; fallback: new reason"
+    assert graph_status(after, after) == ""
