@@ -26,6 +26,7 @@ VARIANTS = {
     "bf16 fused sdpa compile": ("pack", "bf16", "sdpa", True, "regional"),
     "fp8 fused sdpa": ("pack", "fp8_e4m3fn", "sdpa", True, "off"),
     "fp8_fast fused sdpa": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
+    "fp8_fast fused sdpa, fp8 GEMV": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
 }
 
 
@@ -42,6 +43,7 @@ def load(variant, sd):
 
             options = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
         return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=options)
+    qwen_loader.GEMV_ROWS = 0 if variant.endswith("fp8 GEMV") else 16
     patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), dtype)
     if fused:
         qwen_loader.add_fused_blocks(patcher)

@@ -320,3 +320,18 @@ def test_fused_block_full_width_on_gpu():
         assert o.isfinite().all()
         assert _rel(o.float(), x) <= 2 * _rel(e.float(), x) + 1e-3
         assert _rel(o.float(), e.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_fast_on_gpu_is_close_and_finite(narrow_sd):
+    """fp8 GEMMs with per-row scales (modulation GEMVs in bf16) against bf16 weights."""
+    cfg = qwen_dit.read_config(narrow_sd)
+    x, ctx = (t.cuda() for t in _inputs(cfg, h=40, w=36, tokens=33))
+    ref = _forward(qwen_loader.build(dict(narrow_sd), cfg, "bf16"), x, ctx)
+    fast = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn_fast")
+    assert fast.qwen_turbo_weights == "fp8_e4m3fn_fast"
+    qwen_loader.add_fused_blocks(fast)
+    out = _forward(fast, x, ctx)
+    assert out.isfinite().all() and _rel(out, ref) < 6e-2
+    mm.unload_all_models()
