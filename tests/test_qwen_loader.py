@@ -47,7 +47,7 @@ def _forward(patcher, x, ctx):
     with torch.inference_mode():
         mm.load_models_gpu([patcher])
         out = patcher.model.apply_model(
-            x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options=opts
+            x, torch.tensor([0.6], device=x.device), c_crossattn=ctx, transformer_options=opts
         )
     return out.float()
 
