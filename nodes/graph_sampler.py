@@ -103,7 +103,7 @@ class CUDAGraphSampler(io.ComfyNode):
         graphs = capture != "off" and model.load_device.type == "cuda"
         stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
         before = copy.deepcopy(stats)
-        with report.measured(cls.hidden.unique_id) as extra:
+        with report.measured(cls) as extra:
             latent = comfy_nodes.common_ksampler(
                 with_cuda_graphs(model) if graphs else model, seed, steps, cfg, sampler_name,
                 scheduler, positive, negative, latent_image, denoise=denoise,

@@ -59,7 +59,7 @@ class Loader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, weight_dtype, attention, fused_kernels, compile) -> io.NodeOutput:
         try:
-            with report.measured(cls.hidden.unique_id) as extra:
+            with report.measured(cls) as extra:
                 model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
                 extra["weights"] = model.qwen_turbo_weights
         except qwen_dit.NotQwenImageDiT as e:

@@ -20,8 +20,10 @@ def send(node_id, data: dict) -> None:
 
 
 @contextmanager
-def measured(node_id):
-    """Time the block and its peak CUDA memory; the yielded dict takes extra fields."""
+def measured(node):
+    """Time the block and its peak CUDA memory, and send them for the V3 node class `node`
+    (nothing is sent when it runs outside the executor); the yielded dict takes extra fields."""
+    node_id = node.hidden.unique_id if node.hidden is not None else None
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

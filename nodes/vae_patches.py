@@ -55,7 +55,7 @@ class FusedNormPatch(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae) -> io.NodeOutput:
-        with report.measured(cls.hidden.unique_id) as extra:
+        with report.measured(cls) as extra:
             out, extra["patched"] = patched_vae(vae, vae_patches.fused_norm_patches)
         return io.NodeOutput(out)
 
@@ -86,6 +86,6 @@ class TextureUpsample(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae) -> io.NodeOutput:
-        with report.measured(cls.hidden.unique_id) as extra:
+        with report.measured(cls) as extra:
             out, extra["patched"] = patched_vae(vae, vae_patches.upsample_patches)
         return io.NodeOutput(out)

@@ -113,7 +113,7 @@ class VAEDecodeTiled(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, tile_size=0, vram_budget_gb=0.0) -> io.NodeOutput:
-        with report.measured(cls.hidden.unique_id):
+        with report.measured(cls):
             images = decode(vae, samples["samples"], tile_size, vram_budget_gb)
         if images.ndim == 5:  # combine batches, as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
