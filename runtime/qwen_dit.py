@@ -301,11 +301,5 @@ def fused_block_forward(block, attention: Attention) -> Callable:
     return forward
 
 
-def weights_gib(module: torch.nn.Module) -> float:
-    """Bytes of a module's parameters and buffers, in GiB."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
-
-
 def count_params(sd: dict[str, torch.Tensor]) -> int:
     return sum(math.prod(t.shape) for t in sd.values())
