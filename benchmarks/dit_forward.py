@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sampler import random_lora  # noqa: E402
 from vae_decode import setup_comfy  # noqa: E402
 
 # name: (loader, weight_dtype, attention, fused, compile)
@@ -129,10 +130,7 @@ def sample(sd, size, steps):
     out = {}
     for name, variant in (("stock", "stock bf16"), ("pack", "fp8_fast fused sdpa")):
         model = ModelSamplingAuraFlow().patch_aura(load(variant, sd), 3.1)[0]
-        lora = model.clone()
-        msd = lora.model_state_dict()
-        keys = [k for k in msd if ".img_mlp." in k and k.endswith("net.2.weight")][:8]
-        lora.add_patches({k: (torch.randn(msd[k].shape, generator=g) * 1e-3,) for k in keys})
+        lora = random_lora(model)
         if name == "pack":
             lora = with_cuda_graphs(lora)
         times = []

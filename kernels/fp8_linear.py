@@ -56,12 +56,13 @@ def fp8_linear_reference(
     """ComfyUI's scaled-fp8 compute: F.linear(x, weight.to(x.dtype) * scale_weight, bias), in
     x's dtype (bf16 activations, fp8 only as storage); with `gelu_input`, of gelu_tanh(x).
 
-    x: (..., K); weight: (N, K) float8_e4m3fn (or any float); scale_weight: float32 scalar
-    tensor; bias: (N,) or None. This is also the path for GPUs without fp8 GEMMs.
+    x: (..., K); weight: (N, K) float8_e4m3fn (or any float); scale_weight: float32, one
+    value, or one per output row as (1, N) or (N, 1); bias: (N,) or None. This is also the
+    path for GPUs without fp8 GEMMs.
     """
     if gelu_input:
         x = gelu_tanh(x)
-    w = weight.to(x.dtype) * scale_weight.to(device=x.device, dtype=x.dtype)
+    w = weight.to(x.dtype) * scale_weight.to(device=x.device, dtype=x.dtype).reshape(-1, 1)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
@@ -148,8 +149,14 @@ def _why_not(x, weight, scale_weight, bias) -> str | None:
     n, k = weight.shape
     if k % 16 or n % 16:
         return f"weight shape ({n}, {k}) is not a multiple of 16"
-    if scale_weight.numel() != 1:
-        return "scale_weight is not one value per tensor"
+    if scale_weight.numel() != 1 and scale_weight.shape != (1, n):
+        return "scale_weight is not one value per tensor or a (1, N) row"
+    if scale_weight.shape == (1, n) and not (
+        scale_weight.dtype == torch.float32
+        and scale_weight.device == x.device
+        and scale_weight.is_contiguous()
+    ):
+        return "the (1, N) scale_weight row is not contiguous float32 on x's device"
     return grad_reason(x, weight, bias)
 
 
@@ -163,7 +170,9 @@ def fp8_linear(
     """F.linear(x, weight * scale_weight, bias) as an fp8 GEMM with per-row activation scales.
 
     x: (..., K) bfloat16 or float16 (the output dtype); weight: (N, K) float8_e4m3fn on x's
-    device, N and K multiples of 16; scale_weight: one float32 value; bias: (N,) or None.
+    device, N and K multiples of 16; scale_weight: one float32 value, or the same as a
+    contiguous float32 (1, N) row on x's device (`scale_b` of `torch._scaled_mm`: callers that
+    run often keep it, saving a copy per call); bias: (N,) or None.
     With `gelu_input`, computes the linear of gelu_tanh(x) (the activation fused into the
     quantization). Off an fp8-capable GPU (or for other dtypes/shapes, or under autograd) it
     uses `fp8_linear_reference`: bf16 compute on the dequantized weight.
@@ -175,7 +184,9 @@ def fp8_linear(
     n, k = weight.shape
     lead = x.shape[:-1]
     xq, scale_a = quantize_rows(x.reshape(math.prod(lead), k), gelu_input)
-    scale_b = scale_weight.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(1, n)
+    scale_b = scale_weight
+    if scale_b.shape != (1, n):
+        scale_b = scale_b.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(1, n)
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=scale_a, scale_b=scale_b.contiguous(),
         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype,

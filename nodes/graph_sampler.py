@@ -101,14 +101,15 @@ class CUDAGraphSampler(io.ComfyNode):
         latent_image, denoise=1.0, capture=CAPTURE_MODES[0],
     ) -> io.NodeOutput:  # fmt: skip
         graphs = capture != "off" and model.load_device.type == "cuda"
-        stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
-        before = copy.deepcopy(stats)
+        status = f"off ({capture_off(model, capture)})"
+        if graphs:
+            stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+            before = copy.deepcopy(stats)
+            model = with_cuda_graphs(model)
         with report.measured(cls) as extra:
             latent = comfy_nodes.common_ksampler(
-                with_cuda_graphs(model) if graphs else model, seed, steps, cfg, sampler_name,
-                scheduler, positive, negative, latent_image, denoise=denoise,
+                model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                latent_image, denoise=denoise,
             )[0]  # fmt: skip
-            extra["graphs"] = (
-                graph_status(before, stats) if graphs else f"off ({capture_off(model, capture)})"
-            )
+            extra["graphs"] = graph_status(before, stats) if graphs else status
         return io.NodeOutput(latent)

@@ -112,9 +112,10 @@ def run(size: int, layers: int) -> list[dict]:
     config = {} if cuda else NARROW
     sd = qwen_dit_state_dict(layers, device, **config)
     rows = []
-    stock = comfy.sd.load_diffusion_model_state_dict(dict(sd)) if cuda else None
     weights = "bf16" if not cuda or fp8_gemm_reason(torch.device(device)) else "fp8_e4m3fn_fast"
-    if stock is None:  # narrow widths are not loadable by UNETLoader: compare unfused
+    if cuda:
+        stock = comfy.sd.load_diffusion_model_state_dict(dict(sd))
+    else:  # UNETLoader cannot load the narrow width: the stock block, unfused
         stock = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "bf16")
     mm.load_models_gpu([stock])
     ms_stock, ref = timed(forward_fn(stock, size))
@@ -146,16 +147,16 @@ def run(size: int, layers: int) -> list[dict]:
         with torch.inference_mode():
             return VAEDecodeTiled.execute({"samples": latent}, patched).result[0]
 
-    peak = {}
+    results = {}
     for name, fn in (("stock", stock_decode), ("pack", pack_decode)):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        peak[name] = (
+        results[name] = (
             timed(fn, repeats=2),
             torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         )
-    (ms_s, img_s), gib_s = peak["stock"]
-    (ms_p, img_p), gib_p = peak["pack"]
+    (ms_s, img_s), gib_s = results["stock"]
+    (ms_p, img_p), gib_p = results["pack"]
     rows.append({"what": "VAE decode", "stock_ms": ms_s, "pack_ms": ms_p,
                  "pack": "Fused GroupNorm Patch + Texture Upsample + VAE Tiling",
                  "rel_l2": _rel(img_p, img_s),

@@ -86,11 +86,22 @@ def fp8_ops(fast: bool):
 
     class fp8_fast_ops(base):
         class Linear(base.Linear):
+            def _scale_row(self, device):
+                """scale_weight as the (1, N) float32 row _scaled_mm takes, made once per
+                device instead of on every call."""
+                key = (self.scale_weight.data_ptr(), device)
+                if getattr(self, "_scale_row_key", None) != key:
+                    s = self.scale_weight.to(device=device, dtype=torch.float32)
+                    self._scale_row_value = s.reshape(1, 1).expand(1, self.out_features).clone()
+                    self._scale_row_key = key
+                return self._scale_row_value
+
             def _fp8(self, x, gelu_input=False):
                 weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
                 if x.numel() < GEMV_ROWS * x.shape[-1]:  # the modulation GEMVs: bf16 compute
                     return fp8_linear_reference(x, weight, self.scale_weight, bias, gelu_input)
-                return fp8_linear(x, weight, self.scale_weight, bias, gelu_input)
+                scale = self._scale_row(x.device)
+                return fp8_linear(x, weight, scale, bias, gelu_input)
 
             def forward_comfy_cast_weights(self, input):
                 return self._fp8(input)

@@ -498,3 +498,17 @@ def test_gpu_fp8_linear_large_rows(kernel_only):
 def test_gpu_cuda_graph_capture(kernel_only):
     x, weight, scale_weight, b = _linear_inputs((33,), 3072, 3072, torch.bfloat16, 15, "cuda")
     assert_cuda_graph_replays(lambda: fp8_linear(x, weight, scale_weight, b, True), x, 0)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+)
+def test_scale_row_equals_one_scale(device):
+    """scale_weight given as the (1, N) row `_scaled_mm` takes (the loader keeps it per
+    module) gives the scalar's result bit for bit, on the fp8 path and on the fallback."""
+    x, weight, scale_weight, b = _linear_inputs((2, 33), 48, 64, torch.bfloat16, 13, device)
+    row = scale_weight.float().reshape(1, 1).expand(1, 48).clone()
+    with torch.inference_mode():
+        one, per_row = fp8_linear(x, weight, scale_weight, b), fp8_linear(x, weight, row, b)
+    assert one.isfinite().all()
+    torch.testing.assert_close(per_row, one, rtol=0, atol=0)
