@@ -9,6 +9,7 @@ Prints the GPU, torch version, a table, and JSON on the last line.
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vae_decode import setup_comfy  # noqa: E402
 
+CAPTURE = ["model forward", "whole CFG step", "off"]
 LUMINA2 = dict(
     patch_size=2,
     in_channels=16,
@@ -122,7 +124,11 @@ def main():
         help="N back-to-back runs alternating "
         "512/768 and a LoRA, printing memory after each (instead of the table)",
     )
-    p.add_argument("--soak-capture", choices=["model forward", "off"], default="model forward")
+    p.add_argument("--soak-capture", choices=CAPTURE, default="model forward")
+    p.add_argument("--modes", nargs="+", choices=CAPTURE[:2], default=["model forward"],
+                   help="capture modes to compare with KSampler")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model first, as TorchCompileModel does")  # fmt: skip
     p.add_argument("--soak-lora", action=argparse.BooleanOptionalAction, default=True)
     a = p.parse_args()
     setup_comfy()
@@ -141,6 +147,10 @@ def run(a):
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     model = build_model(a.arch, a.layers)
+    if a.compile:
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+        set_torch_compile_wrapper(model, backend="inductor")
     width = 3584 if a.arch == "qwen" else 2304
     g = torch.Generator().manual_seed(1)
     extra = {} if a.arch == "qwen" else {"attention_mask": torch.ones((1, 256), dtype=torch.long)}
@@ -148,10 +158,10 @@ def run(a):
     neg = [[torch.randn((1, 256, width), generator=g), dict(extra)]]
     rows = []
 
-    def sampler(capture, latent, m=model):
+    def sampler(capture, latent, m=model, positive=pos):
         def go():
             out = CUDAGraphSampler.execute(
-                m, 0, a.steps, a.cfg, "euler", "simple", pos, neg, latent, 1.0, capture
+                m, 0, a.steps, a.cfg, "euler", "simple", positive, neg, latent, 1.0, capture
             )
             return out.result[0]["samples"]
 
@@ -165,11 +175,11 @@ def run(a):
             latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
             sampler(a.soak_capture, latent, m)()
             torch.cuda.synchronize()
-            stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+            stats = cuda_graphs.cache_for(model.model).stats
             rows.append({"run": i, "size": size, "lora": m is lora,
                          "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
                          "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3),
-                         "graphs": len(cuda_graphs.cache_for(model.model.diffusion_model).graphs),
+                         "graphs": len(cuda_graphs.cache_for(model.model).graphs),
                          "captured": stats.captured, "replayed": stats.replayed,
                          "eager": stats.eager})  # fmt: skip
             print(rows[-1])
@@ -185,43 +195,57 @@ def run(a):
         torch.cuda.synchronize()
         return out, (time.perf_counter() - t) * 1e3
 
+    def rel_l2(out, ref):
+        return float(f"{((out.float() - ref.float()).norm() / ref.float().norm()).item():.3g}")
+
+    other = [[torch.randn((1, 256, width), generator=g), dict(extra)]]  # a second prompt
+    stats = cuda_graphs.cache_for(model.model).stats
     for size in a.sizes:
         latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
-        stock, ours = sampler("off", latent), sampler("model forward", latent)
+        stock = sampler("off", latent)
         ref, _ = timed(stock)  # warm-up: loads the model, cuDNN/cuBLAS heuristics
-        out, first = timed(ours)  # includes the capture
         t_stock = statistics.median(timed(stock)[1] for _ in range(a.repeats))
-        t_ours = statistics.median(timed(ours)[1] for _ in range(a.repeats))
-        out = ours()
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
-        row = {"size": size, "ksampler_ms": round(t_stock, 1), "graph_first_ms": round(first, 1),
-               "graph_ms": round(t_ours, 1), "speedup": round(t_stock / t_ours, 3),
-               "rel_l2": float(f"{err:.3g}"), "captured": stats.captured,
-               "replayed": stats.replayed, "eager": stats.eager,
-               "eager_reasons": dict(stats.reasons)}  # fmt: skip
+        ref_other = sampler("off", latent, positive=other)()
+        row = {"size": size, "ksampler_ms": round(t_stock, 1)}
         if size == a.busy_size:
-            for name, fn in (("ksampler", stock), ("graph", ours)):
-                whole, loop = gpu_busy(fn)
-                row[f"{name}_gpu_busy"] = round(whole, 4)
-                row[f"{name}_gpu_busy_kernel_span"] = round(loop, 4)
+            row["ksampler_gpu_busy"], row["ksampler_gpu_busy_kernel_span"] = gpu_busy(stock)
+        for mode in a.modes:
+            ours, before = sampler(mode, latent), copy.deepcopy(stats)
+            out, first = timed(ours)  # includes the capture
+            t_ours = statistics.median(timed(ours)[1] for _ in range(a.repeats))
+            # the same graphs with another prompt of the same shape
+            err_other = rel_l2(sampler(mode, latent, positive=other)(), ref_other)
+            r = {"graph_first_ms": round(first, 1), "graph_ms": round(t_ours, 1),
+                 "speedup": round(t_stock / t_ours, 3), "rel_l2": rel_l2(out, ref),
+                 "rel_l2_other_prompt": err_other,
+                 "captured": stats.captured - before.captured,
+                 "replayed": stats.replayed - before.replayed,
+                 "eager": stats.eager - before.eager,
+                 "reasons": {k: n for k, n in stats.reasons.items()
+                             if n > before.reasons.get(k, 0)}}  # fmt: skip
+            if size == a.busy_size:
+                r["gpu_busy"], r["gpu_busy_kernel_span"] = gpu_busy(ours)
+            row[mode] = r
         rows.append(row)
-        cuda_graphs.free_graphs(model.model.diffusion_model)
+        cuda_graphs.free_graphs(model.model)
         mm.soft_empty_cache()
 
     alloc = torch.cuda.get_allocator_backend()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  allocator {alloc}  "
-          f"{a.arch} {a.layers} layers, bf16, {a.steps} steps, cfg {a.cfg}")  # fmt: skip
-    print(f"{'size':>6} {'KSampler ms':>12} {'graph 1st ms':>13} {'graph ms':>9} {'speedup':>8} "
-          f"{'rel L2':>9} {'busy K/G':>14}")  # fmt: skip
+          f"{a.arch} {a.layers} layers, bf16, {a.steps} steps, cfg {a.cfg}"
+          f"{', compiled' if a.compile else ''}")  # fmt: skip
+    print(f"{'size':>6} {'capture':>15} {'KSampler ms':>12} {'graph 1st ms':>13} {'graph ms':>9} "
+          f"{'speedup':>8} {'rel L2':>9} {'busy K/G (loop)':>16}")  # fmt: skip
     for r in rows:
-        busy = f"{r.get('ksampler_gpu_busy', '')}/{r.get('graph_gpu_busy', '')}"
-        print(f"{r['size']:>6} {r['ksampler_ms']:>12} {r['graph_first_ms']:>13} {r['graph_ms']:>9}"
-              f" {r['speedup']:>8} {r['rel_l2']:>9} {busy:>14}")  # fmt: skip
+        for mode in a.modes:
+            m = r[mode]
+            busy = r.get("ksampler_gpu_busy_kernel_span", 0), m.get("gpu_busy_kernel_span", 0)
+            busy = f"{busy[0]:.3f}/{busy[1]:.3f}"
+            print(f"{r['size']:>6} {mode:>15} {r['ksampler_ms']:>12} {m['graph_first_ms']:>13} "
+                  f"{m['graph_ms']:>9} {m['speedup']:>8} {m['rel_l2']:>9} {busy:>16}")  # fmt: skip
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "allocator": alloc}
-    meta.update(
-        layers=a.layers, steps=a.steps, cfg=a.cfg, env=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    )
+    meta.update(layers=a.layers, steps=a.steps, cfg=a.cfg, compile=a.compile,
+                env=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))  # fmt: skip
     print(json.dumps({**meta, "rows": rows}))
 
 

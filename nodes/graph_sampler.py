@@ -12,20 +12,28 @@ from ..runtime import cuda_graphs
 from . import report
 
 KEY = "qwen_turbo_cuda_graphs"
-CAPTURE_MODES = ["model forward", "off"]
+CAPTURE_MODES = ["model forward", "whole CFG step", "off"]
 
 
 def _free_on_unload(patcher, unpatch_all):
     if unpatch_all:  # the weights leave the GPU: the graphs point at them
-        cuda_graphs.free_graphs(patcher.model.diffusion_model)
+        cuda_graphs.free_graphs(patcher.model)
 
 
-def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs):
-    """A clone of `model` whose diffusion model forward goes through a GraphRunner."""
+def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs, whole_step=False):
+    """A clone of `model` whose model calls go through a GraphRunner and, with `whole_step`,
+    whose guided steps go through a StepRunner."""
     model = model.clone()
     base = model.model
-    runner = cuda_graphs.GraphRunner(lambda: not getattr(base, "model_lowvram", False), backend)
-    model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, runner)
+
+    def resident():
+        return not getattr(base, "model_lowvram", False)
+
+    calls = cuda_graphs.GraphRunner(resident, backend)
+    model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, calls)
+    if whole_step:
+        step = cuda_graphs.StepRunner(resident, backend)
+        model.add_wrapper_with_key(pe.WrappersMP.PREDICT_NOISE, KEY, step)
     model.add_callback_with_key(pe.CallbacksMP.ON_DETACH, KEY, _free_on_unload)
     return model
 
@@ -35,11 +43,12 @@ def capture_off(model, capture: str) -> str:
 
 
 def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
-    """This run's share of the cache's counters: 'captured 1, replayed 3' or eager reasons."""
+    """This run's share of the cache's counters and its fallback reasons:
+    'captured 1, replayed 3; running eagerly: ...'."""
     parts = [f"{name} {n}" for name in ("captured", "replayed", "eager")
              if (n := getattr(after, name) - getattr(before, name))]  # fmt: skip
     reasons = [r for r, n in after.reasons.items() if n > before.reasons.get(r, 0)]
-    return ", ".join(parts) + "".join(f"; fallback: {r}" for r in reasons)
+    return "; ".join([", ".join(parts), *reasons])
 
 
 class CUDAGraphSampler(io.ComfyNode):
@@ -86,9 +95,12 @@ class CUDAGraphSampler(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "capture", options=CAPTURE_MODES, default=CAPTURE_MODES[0], optional=True,
-                    tooltip="model forward: capture each forward shape once (one extra forward "
-                    "and some VRAM for the graph), then replay it every step. off: exactly "
-                    "KSampler. On CPU, or with weights offloaded, it runs as KSampler.",
+                    tooltip="model forward: capture each model call's shape once (one extra "
+                    "forward and some VRAM for the graph), then replay it every step. whole CFG "
+                    "step: one graph per step, cond, uncond and CFG together; steps with "
+                    "timestep ranges, masks, ControlNet or CFG patches fall back to model "
+                    "forward. off: exactly KSampler. On CPU, or with weights offloaded, it runs "
+                    "as KSampler.",
                 ),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
@@ -103,9 +115,9 @@ class CUDAGraphSampler(io.ComfyNode):
         graphs = capture != "off" and model.load_device.type == "cuda"
         status = f"off ({capture_off(model, capture)})"
         if graphs:
-            stats = cuda_graphs.cache_for(model.model.diffusion_model).stats
+            stats = cuda_graphs.cache_for(model.model).stats
             before = copy.deepcopy(stats)
-            model = with_cuda_graphs(model)
+            model = with_cuda_graphs(model, whole_step=capture == "whole CFG step")
         with report.measured(cls) as extra:
             latent = comfy_nodes.common_ksampler(
                 model, seed, steps, cfg, sampler_name, scheduler, positive, negative,

@@ -1,16 +1,26 @@
-"""Capture a diffusion model's forward once per static shape as a CUDA graph; replay it.
+"""Capture a model's forward, or a whole guided sampling step, once per static shape as a CUDA
+graph; replay it.
 
-`GraphRunner` is a ComfyUI DIFFUSION_MODEL wrapper (`fn(executor, *args, **kwargs)`). It keeps
-no tensors itself, since ModelPatcher deep-copies wrappers with `model_options`: the captured
-graphs live in a `GraphCache` per diffusion-model object, in a module-level registry.
+Two ComfyUI wrappers (`fn(executor, *args, **kwargs)`):
+- `GraphRunner` (APPLY_MODEL): one model call, cond and uncond as the sampler batches them. It
+  sits outside the diffusion model, so a torch.compile'd model (ComfyUI's compile wrapper swaps
+  the module in at this level) is captured as compiled code rather than traced through.
+- `StepRunner` (PREDICT_NOISE): every model call of a step plus the CFG combination, so
+  ComfyUI's per-step Python (batching conds, memory checks, CFG) leaves the loop too. Steps
+  that depend on the step's data in Python (timestep ranges, masks, ControlNet, hooks, CFG
+  functions) go on to the per-call graphs instead.
 
-A graph is keyed by every tensor argument's shape, dtype and device, the scalar arguments, and
-a signature of the weights (their storage addresses), so a new shape, a LoRA that replaced
+Neither keeps tensors itself, since ModelPatcher deep-copies wrappers with `model_options`:
+the graphs live in a `GraphCache` per model object, in a module-level registry.
+
+A graph is keyed by every tensor input's shape, dtype and device, the scalar inputs, and a
+signature of the weights (their storage addresses), so a new shape, a LoRA that replaced
 weights, or a reload leads to a new capture. Anything that cannot be captured (CPU tensors,
 weights not all on the GPU, per-step model patches, nested tensor arguments such as ControlNet
 inputs, a failed capture) runs eagerly, with the reason logged once.
 """
 
+import contextvars
 import logging
 import weakref
 from collections import OrderedDict
@@ -110,7 +120,11 @@ class CudaGraphs:
         return None
 
     @staticmethod
-    def capture(run: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor, int]:
+    def capture(
+        run: Callable[[], torch.Tensor], mode: str = "global"
+    ) -> tuple[Callable[[], None], torch.Tensor, int]:
+        """`mode`: CUDA's capture error mode; "relaxed" lets the captured Python query free
+        memory (ComfyUI's cond batching does, every step)."""
         device = torch.cuda.current_device()
         side = CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
         side.wait_stream(torch.cuda.current_stream())
@@ -120,7 +134,7 @@ class CudaGraphs:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=mode):
             out = run()
         return graph.replay, out, torch.cuda.memory_reserved() - before
 
@@ -156,67 +170,93 @@ def weights_signature(model: torch.nn.Module) -> int:
     return hash(tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers())))
 
 
+# Set while a StepRunner runs a step: the per-call runner inside it then only passes through.
+_in_step = contextvars.ContextVar("qwen_turbo_in_step", default=False)
+
+
 class GraphRunner:
-    """DIFFUSION_MODEL wrapper: replays a captured graph when it can, else runs eagerly.
+    """APPLY_MODEL wrapper: replays a captured graph when it can, else runs eagerly.
 
     `resident` tells whether the model's weights are all on the GPU (no lowvram/offload).
     """
+
+    capture_mode = "global"
 
     def __init__(self, resident: Callable[[], bool], backend=CudaGraphs):
         self.resident = resident
         self.backend = backend
         self.weights = None  # signature, computed at the first call of a run
 
+    def _note(self, cache: GraphCache, reason: str) -> None:
+        if reason not in cache.stats.reasons:
+            log.info("CUDA Graph Sampler: %s", reason)
+        cache.stats.reasons[reason] = cache.stats.reasons.get(reason, 0) + 1
+
     def _eager(self, cache: GraphCache, executor, reason: str, args, kwargs):
         cache.stats.eager += 1
-        if reason not in cache.stats.reasons:
-            log.info("CUDA Graph Sampler: running eagerly: %s", reason)
-        cache.stats.reasons[reason] = cache.stats.reasons.get(reason, 0) + 1
+        self._note(cache, f"running eagerly: {reason}")
         return executor(*args, **kwargs)
 
+    def _why_not(self, x: torch.Tensor, options: dict) -> str | None:
+        why = self.backend.supports(x)
+        if why is None and not self.resident():
+            why = "weights are not all on the GPU (lowvram or offloading)"
+        if why is None and (options.get("patches") or options.get("patches_replace")):
+            why = "model patches that run per step"
+        return why
+
     def __call__(self, executor, *args, **kwargs):
+        if _in_step.get():
+            return executor(*args, **kwargs)
         model = executor.class_obj
         cache = cache_for(model)
         options = next((a for a in (*args, *kwargs.values()) if _is_options(a)), {})
         tensors, desc = _flatten(args, kwargs)
         if tensors is None:
             return self._eager(cache, executor, desc, args, kwargs)
-        why = self.backend.supports(tensors[0][1]) if tensors else "no tensor arguments"
-        if why is None and not self.resident():
-            why = "weights are not all on the GPU (lowvram or offloading)"
-        if why is None and (options.get("patches") or options.get("patches_replace")):
-            why = "model patches that run per step"
+        why = self._why_not(tensors[0][1], options) if tensors else "no tensor arguments"
         if why is not None:
             return self._eager(cache, executor, why, args, kwargs)
+
+        def run(buffers):
+            args_, kwargs_ = list(args), dict(kwargs)
+            for (name, _), buf in zip(tensors, buffers, strict=True):
+                if isinstance(name, int):
+                    args_[name] = buf
+                else:
+                    kwargs_[name] = buf
+            return executor(*args_, **kwargs_)
+
+        out = self._replay(cache, model, desc, [t for _, t in tensors], run)
+        if out is None:
+            return self._eager(cache, executor, "capture failed for this shape", args, kwargs)
+        return out
+
+    def _replay(self, cache, model, desc, tensors, run) -> torch.Tensor | None:
+        """Replay the graph for `desc` with `tensors` as its inputs, capturing `run(buffers)`
+        first if it is new; None when it cannot be captured."""
         if self.weights is None:
             self.weights = weights_signature(model)
             cache.drop_stale(self.weights)
         key = (desc, self.weights)
         if key in cache.failed:
-            return self._eager(cache, executor, "capture failed for this shape", args, kwargs)
-
+            return None
         graph = cache.get(key)
         if graph is None:
-            graph = self._capture(cache, key, executor, tensors, args, kwargs)
+            graph = self._capture(cache, key, tensors, run)
             if graph is None:
-                return self._eager(cache, executor, "capture failed", args, kwargs)
+                return None
         else:
             cache.stats.replayed += 1
-        for buf, (_, t) in zip(graph.inputs, tensors, strict=True):
+        for buf, t in zip(graph.inputs, tensors, strict=True):
             buf.copy_(t)
         graph.replay()
         return graph.output.clone()
 
-    def _capture(self, cache, key, executor, tensors, args, kwargs) -> Graph | None:
-        inputs = [t.clone() for _, t in tensors]
-        args, kwargs = list(args), dict(kwargs)
-        for (name, _), buf in zip(tensors, inputs, strict=True):
-            if isinstance(name, int):
-                args[name] = buf
-            else:
-                kwargs[name] = buf
+    def _capture(self, cache, key, tensors, run) -> Graph | None:
+        inputs = [t.clone() for t in tensors]
         try:
-            replay, out, nbytes = self.backend.capture(lambda: executor(*args, **kwargs))
+            replay, out, nbytes = self.backend.capture(lambda: run(inputs), self.capture_mode)
         except Exception as e:  # any capture failure: the run goes on eagerly
             cache.failed.add(key)
             log.warning("CUDA Graph Sampler: capture failed (%s: %s)", type(e).__name__, e)
@@ -228,3 +268,100 @@ class GraphRunner:
         cache.put(key, graph)
         cache.stats.captured += 1
         return graph
+
+
+# Keys of a cond (after ComfyUI's process_conds) whose effect depends on the step's data or
+# runs extra Python per step; a step with any of them is not captured whole.
+PER_STEP_CONDS = ("timestep_start", "timestep_end", "mask", "control", "hooks", "gligen", "default")
+# model_options entries that run Python around the model calls of a step.
+PER_STEP_OPTIONS = (
+    "sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
+    "sampler_calc_cond_batch_function", "model_function_wrapper", "context_handler",
+)  # fmt: skip
+
+
+def cond_inputs(conds: dict) -> tuple[list | None, tuple | str]:
+    """The tensors a guided step reads from a guider's processed conds, with their paths, and
+    a hashable description of the rest; (None, reason) when the step cannot be captured."""
+    tensors, desc = [], []
+    for name in sorted(conds):
+        for i, c in enumerate(conds[name] or ()):
+            found = [k for k in PER_STEP_CONDS if k in c]
+            if found:
+                return None, f"conditioning with {found[0]!r}"
+            desc.append((name, i, tuple(c.get("area", ())), c.get("strength", 1.0)))
+            for k in sorted(c["model_conds"]):
+                value = c["model_conds"][k].cond
+                for j, v in enumerate(value if isinstance(value, list) else [value]):
+                    if isinstance(v, torch.Tensor):
+                        tensors.append(((name, i, k, j), v))
+                        desc.append((k, j, tuple(v.shape), v.dtype, v.device))
+                    elif isinstance(v, SCALARS):
+                        desc.append((k, j, v))
+                    else:
+                        return None, f"conditioning {k!r} of type {type(v).__name__}"
+    return tensors, tuple(desc)
+
+
+def with_cond_buffers(conds: dict, buffers: dict) -> dict:
+    """A copy of `conds` whose tensors at the paths in `buffers` are replaced by them."""
+    out = {}
+    for name, items in conds.items():
+        out[name] = []
+        for i, c in enumerate(items or ()):
+            model_conds = {}
+            for k, cond in c["model_conds"].items():
+                if isinstance(cond.cond, list):
+                    value = [buffers.get((name, i, k, j), v) for j, v in enumerate(cond.cond)]
+                else:
+                    value = buffers.get((name, i, k, 0), cond.cond)
+                model_conds[k] = cond._copy_with(value)
+            out[name].append({**c, "model_conds": model_conds})
+        if items is None:
+            out[name] = None
+    return out
+
+
+class StepRunner(GraphRunner):
+    """PREDICT_NOISE wrapper: one graph for the whole guided step, from the latent and sigma
+    to the CFG result. Steps it cannot take go on to the per-call GraphRunner."""
+
+    capture_mode = "relaxed"
+
+    def __call__(self, executor, x, timestep, model_options, seed=None):
+        guider = executor.class_obj
+        model = guider.inner_model
+        cache = cache_for(model)
+        why = self._why_not(x, model_options.get("transformer_options", {}))
+        found = [k for k in PER_STEP_OPTIONS if k in model_options]
+        if why is None and found:
+            why = f"{found[0]} set"
+        conds, desc = cond_inputs(guider.conds)
+        if why is None and conds is None:
+            why = desc
+        if why is None and not isinstance(timestep, torch.Tensor):
+            why = f"timestep of type {type(timestep).__name__}"
+        if why is not None:
+            self._note(cache, f"whole step not captured: {why}")
+            return executor(x, timestep, model_options, seed)
+
+        original = guider.conds
+
+        def run(buffers):
+            guider.conds = with_cond_buffers(original, dict(zip(paths, buffers[2:], strict=True)))
+            token = _in_step.set(True)
+            try:
+                return executor(buffers[0], buffers[1], model_options, seed)
+            finally:
+                _in_step.reset(token)
+                guider.conds = original
+
+        paths = [p for p, _ in conds]
+        tensors = [x, timestep] + [t for _, t in conds]
+        shapes = [(tuple(t.shape), t.dtype, t.device) for t in tensors[:2]]
+        key = ("step", guider.cfg, *shapes, desc)
+        out = self._replay(cache, model, key, tensors, run)
+        if out is None:
+            self._note(cache, "whole step not captured: capture failed for this shape")
+            return executor(x, timestep, model_options, seed)
+        return out

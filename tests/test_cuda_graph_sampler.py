@@ -4,11 +4,14 @@ On CPU a stand-in backend gives graph semantics (capture once, replay into the s
 buffer from the static inputs), so the whole capture/replay path runs inside real sampling.
 """
 
+import copy
 import logging
 
+import comfy.conds
 import comfy.sd
 import pytest
 import torch
+from comfy_api.torch_helpers import set_torch_compile_wrapper
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
@@ -25,7 +28,7 @@ class FakeGraphs:
         return None
 
     @classmethod
-    def capture(cls, run):
+    def capture(cls, run, mode="global"):
         cls.calls += 1
         out = run()
         return (lambda: out.copy_(run())), out, 100
@@ -33,7 +36,7 @@ class FakeGraphs:
 
 class FailingGraphs(FakeGraphs):
     @classmethod
-    def capture(cls, run):
+    def capture(cls, run, mode="global"):
         cls.calls += 1
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -48,22 +51,26 @@ def _cond(tokens, seed):
     return [[torch.randn((1, tokens, 3584), generator=torch.Generator().manual_seed(seed)), {}]]
 
 
-def _sample(model, sampler="euler", scheduler="simple", denoise=1.0, neg_tokens=8, steps=2):
+def _sample(model, sampler="euler", scheduler="simple", denoise=1.0, neg_tokens=8, steps=2,
+            positive=None):  # fmt: skip
     g = torch.Generator().manual_seed(5)
     latent = {"samples": torch.randn((1, 16, 6, 8), generator=g) * (1.0 - denoise)}
     out = nodes.common_ksampler(
-        model, 42, steps, 2.5, sampler, scheduler, _cond(8, 1), _cond(neg_tokens, 2), latent,
-        denoise=denoise,
+        model, 42, steps, 2.5, sampler, scheduler, positive or _cond(8, 1), _cond(neg_tokens, 2),
+        latent, denoise=denoise,
     )  # fmt: skip
     return out[0]["samples"]
 
 
-@pytest.mark.parametrize(
+SAMPLINGS = pytest.mark.parametrize(
     "sampler,scheduler,denoise,neg_tokens",
     [("euler", "simple", 1.0, 8), ("dpmpp_2m", "karras", 0.6, 12), ("uni_pc", "beta", 1.0, 5)],
 )
+
+
+@SAMPLINGS
 def test_replayed_sampling_equals_ksampler(dit, sampler, scheduler, denoise, neg_tokens):
-    cache = cuda_graphs.cache_for(dit.model.diffusion_model)
+    cache = cuda_graphs.cache_for(dit.model)
     cache.clear()
     before = (cache.stats.captured, cache.stats.replayed)
     ref = _sample(dit, sampler, scheduler, denoise, neg_tokens)
@@ -76,6 +83,95 @@ def test_replayed_sampling_equals_ksampler(dit, sampler, scheduler, denoise, neg
     assert cache.stats.replayed - before[1] > 0
 
 
+@SAMPLINGS
+def test_whole_step_graph_equals_ksampler(dit, sampler, scheduler, denoise, neg_tokens):
+    cache = cuda_graphs.cache_for(dit.model)
+    cache.clear()
+    before = copy.deepcopy(cache.stats)
+    ref = _sample(dit, sampler, scheduler, denoise, neg_tokens)
+    model = graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step=True)
+    out = _sample(model, sampler, scheduler, denoise, neg_tokens)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # one graph holds the step's cond and uncond forwards, whatever their text lengths
+    assert cache.stats.captured - before.captured == 1
+    assert cache.stats.replayed - before.replayed > 0
+    assert cache.stats.reasons == before.reasons
+
+
+def test_step_graph_inputs_are_the_conds_tensors():
+    """The step graph's inputs are the tensors of the processed conds (copied into its
+    buffers before each replay, so a new prompt of the same shape reuses it); constants and
+    areas go into its key. On a GPU, benchmarks/sampler.py checks a second prompt for real."""
+    text, ref = torch.randn(1, 5, 8), [torch.randn(1, 4, 2, 2), torch.randn(1, 4, 3, 3)]
+    conds = {
+        "positive": [{"model_conds": {"c_crossattn": comfy.conds.CONDRegular(text),
+                                      "ref_latents": comfy.conds.CONDList(ref),
+                                      "method": comfy.conds.CONDConstant("index")},
+                      "uuid": object(), "area": (4, 4, 0, 0), "strength": 0.5}],
+        "negative": None,
+    }  # fmt: skip
+    tensors, desc = cuda_graphs.cond_inputs(conds)
+    paths = [p for p, _ in tensors]
+    assert paths == [("positive", 0, "c_crossattn", 0), ("positive", 0, "ref_latents", 0),
+                     ("positive", 0, "ref_latents", 1)]  # fmt: skip
+    assert [t for _, t in tensors][0] is text
+    assert ("method", 0, "index") in desc and ("positive", 0, (4, 4, 0, 0), 0.5) in desc
+    buffers = {p: t.clone() + 1 for p, t in tensors}
+    static = cuda_graphs.with_cond_buffers(conds, buffers)
+    mc = static["positive"][0]["model_conds"]
+    assert mc["c_crossattn"].cond is buffers[paths[0]]
+    assert mc["ref_latents"].cond[1] is buffers[paths[2]]
+    assert mc["method"].cond == "index" and static["negative"] is None
+    assert conds["positive"][0]["model_conds"]["c_crossattn"].cond is text  # original untouched
+    conds["positive"][0]["mask"] = torch.ones(1, 4, 4)
+    assert cuda_graphs.cond_inputs(conds) == (None, "conditioning with 'mask'")
+
+
+def _timestep_range(model):
+    return model, nodes.ConditioningSetTimestepRange().set_range(_cond(8, 1), 0.0, 0.5)[0]
+
+
+def _cfg_function(model):
+    model = model.clone()
+    model.set_model_sampler_cfg_function(lambda a: a["uncond"] + (a["cond"] - a["uncond"]) * 2)
+    return model, None
+
+
+@pytest.mark.parametrize(
+    "setup,reason",
+    [(_timestep_range, "conditioning with 'timestep_start'"),
+     (_cfg_function, "sampler_cfg_function set")],
+)  # fmt: skip
+def test_whole_step_falls_back_to_model_call_graphs(dit, setup, reason, caplog):
+    model, positive = setup(dit)
+    cache = cuda_graphs.cache_for(dit.model)
+    cache.clear()
+    before = copy.deepcopy(cache.stats)
+    with caplog.at_level(logging.INFO):
+        out = _sample(graph_sampler.with_cuda_graphs(model, FakeGraphs, whole_step=True),
+                      positive=positive)  # fmt: skip
+    torch.testing.assert_close(out, _sample(model, positive=positive), rtol=0, atol=0)
+    assert f"whole step not captured: {reason}" in caplog.text
+    assert cache.stats.captured > before.captured and cache.stats.replayed > before.replayed
+    assert cache.stats.eager == before.eager
+
+
+def test_sampler_takes_a_compiled_model(dit):
+    """ComfyUI's compile wrapper (TorchCompileModel's) swaps the compiled module in around
+    apply_model; both capture modes run it. aot_eager traces as inductor does, without
+    inductor's C++ build on CPU."""
+    compiled = dit.clone()
+    set_torch_compile_wrapper(compiled, backend="aot_eager")
+    cache = cuda_graphs.cache_for(dit.model)
+    cache.clear()
+    before = copy.deepcopy(cache.stats)
+    ref = _sample(compiled)
+    for whole_step in (False, True):
+        out = _sample(graph_sampler.with_cuda_graphs(compiled, FakeGraphs, whole_step))
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert cache.stats.captured - before.captured == 2 and cache.stats.eager == before.eager
+
+
 def test_node_on_cpu_is_ksampler(dit):
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (dit, 7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
@@ -84,7 +180,7 @@ def test_node_on_cpu_is_ksampler(dit):
 
 
 def test_new_weights_recapture_and_drop_stale_graphs(dit):
-    cache = cuda_graphs.cache_for(dit.model.diffusion_model)
+    cache = cuda_graphs.cache_for(dit.model)
     cache.clear()
     _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs))
     old_keys = set(cache.graphs)
@@ -101,7 +197,7 @@ def test_new_weights_recapture_and_drop_stale_graphs(dit):
 
 
 def test_failed_capture_runs_eagerly_with_the_same_result(dit, caplog):
-    cuda_graphs.cache_for(dit.model.diffusion_model).clear()
+    cuda_graphs.cache_for(dit.model).clear()
     FailingGraphs.calls = 0
     with caplog.at_level(logging.INFO):
         out = _sample(graph_sampler.with_cuda_graphs(dit, FailingGraphs), steps=3)
@@ -111,7 +207,7 @@ def test_failed_capture_runs_eagerly_with_the_same_result(dit, caplog):
 
 
 def test_unload_frees_the_graphs(dit):
-    model = dit.model.diffusion_model
+    model = dit.model
     cuda_graphs.cache_for(model).clear()
     _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs))
     assert cuda_graphs.cache_for(model).graphs
@@ -179,5 +275,5 @@ def test_graph_status_reports_this_run_only():
 
     before = Stats(captured=1, replayed=5, reasons={"lowvram": 2})
     after = Stats(captured=2, replayed=8, eager=1, reasons={"lowvram": 2, "new reason": 1})
-    assert graph_status(before, after) == "captured 1, replayed 3, eager 1; fallback: new reason"
+    assert graph_status(before, after) == "captured 1, replayed 3, eager 1; new reason"
     assert graph_status(after, after) == ""
