@@ -94,7 +94,7 @@ class CUDAGraphSampler(io.ComfyNode):
                     "second passes.",
                 ),
                 io.Combo.Input(
-                    "capture", options=CAPTURE_MODES, default=CAPTURE_MODES[0], optional=True,
+                    "capture", options=CAPTURE_MODES, default=CAPTURE_MODES[1], optional=True,
                     tooltip="model forward: capture each model call's shape once (one extra "
                     "forward and some VRAM for the graph), then replay it every step. whole CFG "
                     "step: one graph per step, cond, uncond and CFG together; steps with "
@@ -110,7 +110,7 @@ class CUDAGraphSampler(io.ComfyNode):
     @classmethod
     def execute(
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
-        latent_image, denoise=1.0, capture=CAPTURE_MODES[0],
+        latent_image, denoise=1.0, capture=CAPTURE_MODES[1],
     ) -> io.NodeOutput:  # fmt: skip
         graphs = capture != "off" and model.load_device.type == "cuda"
         status = f"off ({capture_off(model, capture)})"

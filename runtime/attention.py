@@ -1,12 +1,15 @@
 """Attention backends for ComfyUI's `optimized_attention_override` (transformer_options).
 
 ComfyUI's SDPA path sets its own backend priority inside `comfy.ops`, so choosing a backend
-means calling `F.scaled_dot_product_attention` here under our priority. The call signature
-is ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
+means calling `F.scaled_dot_product_attention` here under our priority. "8bit" runs the
+pack's Triton kernel (int8 q.k, fp8 P.v) where it can, else SDPA. The call signature is
+ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
 """
 
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..kernels.attention_8bit import attention_8bit
 
 BACKENDS = {
     # cuDNN first: 571 TFLOP/s at L = 24,905 on an H200, against 360 for flash.
@@ -17,9 +20,9 @@ BACKENDS = {
 }  # fmt: skip
 
 
-def sdpa(backends: list[SDPBackend]):
-    """An attention function with ComfyUI's signature that runs SDPA with `backends` in
-    priority order (the first one that supports the inputs runs)."""
+def comfy_signature(core):
+    """An attention function with ComfyUI's signature around `core(q, k, v, mask)`, which
+    takes and returns (B, H, L, D) tensors."""
 
     def attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                   skip_output_reshape=False, **kwargs):  # fmt: skip
@@ -31,8 +34,7 @@ def sdpa(backends: list[SDPBackend]):
         if mask is not None:
             mask = mask.unsqueeze(0) if mask.ndim == 2 else mask
             mask = mask.unsqueeze(1) if mask.ndim == 3 else mask
-        with sdpa_kernel(backends, set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = core(q, k, v, mask)
         if skip_output_reshape:
             return out
         return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
@@ -40,9 +42,26 @@ def sdpa(backends: list[SDPBackend]):
     return attention
 
 
+def sdpa(backends: list[SDPBackend]):
+    """SDPA with `backends` in priority order (the first that supports the inputs runs)."""
+
+    def core(q, k, v, mask):
+        with sdpa_kernel(backends, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return core
+
+
+def quantized_8bit(q, k, v, mask):
+    """The 8-bit kernel; masked calls (which it does not take) go to SDPA, cuDNN first."""
+    if mask is not None:
+        return sdpa(BACKENDS["sdpa"])(q, k, v, mask)
+    return attention_8bit(q, k, v)
+
+
 def attention_override(name: str):
     """A `transformer_options["optimized_attention_override"]` running backend `name`."""
-    attention = sdpa(BACKENDS[name])
+    attention = comfy_signature(quantized_8bit if name == "8bit" else sdpa(BACKENDS[name]))
 
     def override(func, *args, **kwargs):
         kwargs.pop("_inside_attn_wrapper", None)

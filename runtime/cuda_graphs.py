@@ -39,6 +39,30 @@ class Graph:
     inputs: list[torch.Tensor]  # static buffers, refreshed before each replay
     output: torch.Tensor
     nbytes: int
+    # Per input from another device (ComfyUI keeps text conds on the host): the tensor last
+    # copied in and its version. Copying it again is a blocking host copy every step, so an
+    # unchanged one is skipped; inference-mode tensors keep no version, and ComfyUI's nodes
+    # never write to their inputs, so for those the same tensor object means the same values.
+    copied: list = field(default_factory=list)
+
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        """Refresh the input buffers from `tensors`."""
+        for i, (buf, t) in enumerate(zip(self.inputs, tensors, strict=True)):
+            if t.device != buf.device:
+                stamp = (t, _version(t))
+                last = self.copied[i]
+                if last is not None and last[0] is t and last[1] == stamp[1]:
+                    continue
+                self.copied[i] = stamp
+            buf.copy_(t)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's in-place-write counter; None for inference-mode tensors, which keep none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 @dataclass
@@ -248,13 +272,14 @@ class GraphRunner:
                 return None
         else:
             cache.stats.replayed += 1
-        for buf, t in zip(graph.inputs, tensors, strict=True):
-            buf.copy_(t)
+        graph.load(tensors)
         graph.replay()
         return graph.output.clone()
 
     def _capture(self, cache, key, tensors, run) -> Graph | None:
-        inputs = [t.clone() for t in tensors]
+        # Buffers live on the latent's device: ComfyUI keeps the text conds on the CPU and
+        # copies them in every call, which a capture cannot record.
+        inputs = [t.to(tensors[0].device, copy=True) for t in tensors]
         try:
             replay, out, nbytes = self.backend.capture(lambda: run(inputs), self.capture_mode)
         except Exception as e:  # any capture failure: the run goes on eagerly
@@ -264,7 +289,9 @@ class GraphRunner:
         if not isinstance(out, torch.Tensor):
             cache.failed.add(key)
             return None
-        graph = Graph(replay, inputs, out, nbytes)
+        pairs = zip(tensors, inputs, strict=True)
+        copied = [(t, _version(t)) if t.device != b.device else None for t, b in pairs]
+        graph = Graph(replay, inputs, out, nbytes, copied)
         cache.put(key, graph)
         cache.stats.captured += 1
         return graph

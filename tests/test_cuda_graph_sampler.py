@@ -269,6 +269,33 @@ def test_runner_falls_back_to_eager(kwargs, resident, reason, caplog):
     assert reason in caplog.text
 
 
+def test_host_inputs_are_copied_only_when_they_change():
+    """Inputs on another device than their buffer (ComfyUI's host-side text conds) are copied
+    again only when they are a new tensor or were written to."""
+    copies = []
+
+    class Buffer(torch.Tensor):
+        def copy_(self, src):
+            copies.append(src)
+            return self
+
+    buf = torch.empty(3, device="meta").as_subclass(Buffer)
+    t = torch.randn(3)
+    graph = cuda_graphs.Graph(lambda: None, [buf], torch.zeros(1), 0, [(t, t._version)])
+    graph.load([t])
+    assert copies == []
+    t.add_(1)
+    graph.load([t])
+    other = torch.randn(3)
+    graph.load([other])
+    graph.load([other])
+    with torch.inference_mode():
+        frozen = torch.randn(3)
+    graph.load([frozen])
+    graph.load([frozen])
+    assert [c is x for c, x in zip(copies, (t, other, frozen), strict=True)] == [True] * 3
+
+
 def test_graph_status_reports_this_run_only():
     from qwen_turbo.nodes.graph_sampler import graph_status
     from qwen_turbo.runtime.cuda_graphs import Stats

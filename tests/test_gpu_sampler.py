@@ -33,14 +33,31 @@ def _bench(*args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+MODES = ("model forward", "whole CFG step")
+
+
+def _assert_replayed(out, tol=0.0):
+    for row in out["rows"]:
+        for mode in MODES:
+            r = row[mode]
+            assert r["rel_l2"] <= tol and r["rel_l2_other_prompt"] <= tol, (row["size"], mode, r)
+            assert r["captured"] >= 1 and r["replayed"] > 0 and r["eager"] == 0, r
+            assert not r["reasons"], r["reasons"]
+
+
 @pytest.mark.parametrize("alloc", ["native", "backend:cudaMallocAsync"])
 def test_graph_sampler_equals_ksampler(alloc, monkeypatch):
     if alloc != "native":
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc)
-    out = _bench("--sizes", "512", "768", "--steps", "3", "--repeats", "1", "--busy-size", "0")
-    for row in out["rows"]:
-        assert row["rel_l2"] == 0 and row["captured"] >= 1 and row["replayed"] > 0, row
-        assert row["eager"] == 0, row["eager_reasons"]
+    out = _bench("--sizes", "512", "768", "--steps", "3", "--repeats", "1", "--busy-size", "0",
+                 "--cfg", "4", "--modes", *MODES)  # fmt: skip
+    _assert_replayed(out)
+
+
+def test_graph_sampler_on_a_compiled_model():
+    out = _bench("--sizes", "512", "--steps", "3", "--repeats", "1", "--busy-size", "0",
+                 "--compile", "--modes", *MODES)  # fmt: skip
+    _assert_replayed(out, tol=1e-3)
 
 
 def test_back_to_back_runs_keep_memory_flat():
