@@ -1,4 +1,4 @@
-"""CUDA Graph Sampler: KSampler whose model forwards replay captured CUDA graphs."""
+"""CUDA Graph Sampler: KSampler whose steps (or model calls) replay captured CUDA graphs."""
 
 import copy
 
@@ -59,9 +59,10 @@ class CUDAGraphSampler(io.ComfyNode):
             display_name="CUDA Graph Sampler",
             category="QwenTurbo",
             description=(
-                "KSampler, with each model forward captured once per shape as a CUDA graph "
-                "and replayed on every step: the same samplers, schedulers and result, with "
-                "less CPU launch overhead. Helps most at few steps and small sizes."
+                "KSampler, with each guided step (or each model call) captured once per "
+                "shape as a CUDA graph and replayed on every step: the same samplers, "
+                "schedulers and result, with less CPU launch overhead. Helps most at few "
+                "steps and small sizes."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model used for denoising the input latent."),
