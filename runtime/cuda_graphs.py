@@ -334,8 +334,11 @@ def with_cond_buffers(conds: dict, buffers: dict) -> dict:
     """A copy of `conds` whose tensors at the paths in `buffers` are replaced by them."""
     out = {}
     for name, items in conds.items():
+        if items is None:
+            out[name] = None
+            continue
         out[name] = []
-        for i, c in enumerate(items or ()):
+        for i, c in enumerate(items):
             model_conds = {}
             for k, cond in c["model_conds"].items():
                 if isinstance(cond.cond, list):
@@ -344,8 +347,6 @@ def with_cond_buffers(conds: dict, buffers: dict) -> dict:
                     value = buffers.get((name, i, k, 0), cond.cond)
                 model_conds[k] = cond._copy_with(value)
             out[name].append({**c, "model_conds": model_conds})
-        if items is None:
-            out[name] = None
     return out
 
 

@@ -172,6 +172,35 @@ def test_sampler_takes_a_compiled_model(dit):
     assert cache.stats.captured - before.captured == 2 and cache.stats.eager == before.eager
 
 
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_interrupt_stops_at_a_step_and_leaves_the_next_run_exact(dit, whole_step):
+    """An interrupt (raised from the progress hook, as ComfyUI's server does) stops the run
+    after its first step; the next run replays the graphs and equals KSampler."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    cuda_graphs.cache_for(dit.model).clear()
+    steps = []
+
+    def hook(value, total, preview, node_id=None):
+        steps.append(value)
+        mm.interrupt_current_processing(True)
+        mm.throw_exception_if_processing_interrupted()
+
+    comfy.utils.set_progress_bar_global_hook(hook)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step), steps=3)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+        mm.interrupt_current_processing(False)
+    assert steps == [1]
+    captured = cuda_graphs.cache_for(dit.model).stats.captured
+    out = _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step), steps=3)
+    assert cuda_graphs.cache_for(dit.model).stats.captured == captured  # replayed
+    torch.testing.assert_close(out, _sample(dit, steps=3), rtol=0, atol=0)
+
+
 def test_node_on_cpu_is_ksampler(dit):
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (dit, 7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
