@@ -161,8 +161,16 @@ def is_linear_weight(key: str, t: torch.Tensor) -> bool:
     return key.endswith(".weight") and t.ndim == 2
 
 
-def to_scaled_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Linear weights as float8_e4m3fn with a float32 `scale_weight` each (w ~ w8 * scale).
+def in_blocks(key: str) -> bool:
+    """Whether `key` is inside a transformer block: 99.8% of the weights. The rest (input and
+    output projections, the timestep embedding that drives every block's modulation) stay in
+    bf16 in the fp8 modes, for accuracy."""
+    return key.startswith("transformer_blocks.")
+
+
+def to_scaled_fp8(sd: dict[str, torch.Tensor], quantize=in_blocks) -> dict[str, torch.Tensor]:
+    """Linear weights for which `quantize(key)` holds as float8_e4m3fn with a float32
+    `scale_weight` each (w ~ w8 * scale); the others keep their dtype with a scale of 1.
 
     Weights in a wider dtype get scale amax / (448 / HEADROOM): the largest lands a factor
     HEADROOM below fp8's largest, so a LoRA patched in later (re-quantized with this scale)
@@ -178,7 +186,7 @@ def to_scaled_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not is_linear_weight(k, t):
             continue
         scale_key = k[: -len("weight")] + "scale_weight"
-        if t.dtype == FP8:
+        if t.dtype == FP8 or not quantize(k):
             out.setdefault(scale_key, sd.get(scale_key, torch.ones((), dtype=torch.float32)))
             continue
         w = t.float()

@@ -104,6 +104,8 @@ def fp8_ops(fast: bool):
                 return fp8_linear(x, weight, scale, bias, gelu_input)
 
             def forward_comfy_cast_weights(self, input):
+                if self.weight.dtype != FP8:  # a layer kept in bf16 (qwen_dit.in_blocks)
+                    return super().forward_comfy_cast_weights(input)
                 return self._fp8(input)
 
             def linear_of_gelu(self, x):
@@ -144,7 +146,14 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
+    # ComfyUI builds every Linear in fp8 here; the layers kept in bf16 are put back after
+    # the load (which empties `sd`)
+    kept = {}
+    if mode.startswith("fp8"):
+        kept = {k: t for k, t in sd.items() if qwen_dit.is_linear_weight(k, t) and t.dtype != FP8}
     model.load_model_weights(sd, "")
+    for k, t in kept.items():
+        comfy.utils.set_attr_param(model.diffusion_model, k, t.to(torch.bfloat16))
     patcher = comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher

@@ -5,6 +5,7 @@ import logging
 
 import comfy.model_management as mm
 import comfy.sd
+import comfy.utils
 import folder_paths
 import pytest
 import torch
@@ -214,6 +215,9 @@ def test_fp8_storage_is_scaled_and_close(narrow_sd):
     patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn")
     to_q = patcher.model.diffusion_model.transformer_blocks[0].attn.to_q
     assert to_q.weight.dtype == FP8
+    for outside in ("img_in", "txt_in", "proj_out", "norm_out.linear"):  # kept in bf16
+        layer = comfy.utils.get_attr(patcher.model.diffusion_model, outside)
+        assert layer.weight.dtype == torch.bfloat16 and layer.scale_weight.item() == 1
     w = narrow_sd["transformer_blocks.0.attn.to_q.weight"].float()
     torch.testing.assert_close(to_q.scale_weight.float(), w.abs().amax() * qwen_dit.HEADROOM / 448)
     out = _forward(patcher, x, ctx)
@@ -344,7 +348,8 @@ def test_fp8_fast_linear_on_gpu():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3072, 3072, generator=g) / 3072**0.5
     bias = torch.randn(3072, generator=g) * 0.05
-    sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16(), "l.bias": bias.bfloat16()})
+    sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16(), "l.bias": bias.bfloat16()},
+                                quantize=lambda k: True)  # fmt: skip
     linear = qwen_loader.fp8_ops(fast=True).Linear(3072, 3072, device="cuda")
     linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()})
     assert linear.weight.dtype == FP8
