@@ -48,7 +48,7 @@ def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
     parts = [f"{name} {n}" for name in ("captured", "replayed", "eager")
              if (n := getattr(after, name) - getattr(before, name))]  # fmt: skip
     reasons = [r for r, n in after.reasons.items() if n > before.reasons.get(r, 0)]
-    return "; ".join([", ".join(parts), *reasons])
+    return "; ".join(filter(None, [", ".join(parts), *reasons]))
 
 
 class CUDAGraphSampler(io.ComfyNode):

@@ -333,3 +333,4 @@ def test_graph_status_reports_this_run_only():
     after = Stats(captured=2, replayed=8, eager=1, reasons={"lowvram": 2, "new reason": 1})
     assert graph_status(before, after) == "captured 1, replayed 3, eager 1; new reason"
     assert graph_status(after, after) == ""
+    assert graph_status(before, Stats(1, 5, 0, {"lowvram": 2, "why": 1})) == "why"
