@@ -12,24 +12,14 @@ accuracy and finiteness. Prints the GPU, torch version, a table, and JSON on the
 """
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_pack():
-    """Import the pack as `qwen_turbo` (its kernels need no ComfyUI)."""
-    spec = importlib.util.spec_from_file_location(
-        "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
-    )
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules["qwen_turbo"] = pack
-    spec.loader.exec_module(pack)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vae_decode import load_pack  # noqa: E402
 
 
 def main():

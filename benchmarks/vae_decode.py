@@ -25,14 +25,18 @@ def setup_comfy(**flags):
     if comfy is None:
         sys.exit(HOW_TO_PROVIDE)
     sys.path.insert(0, str(comfy))
-    import importlib.util
-
     import torch
     from comfy.cli_args import args
 
     args.cpu = not torch.cuda.is_available()
     for name, value in flags.items():
         setattr(args, name, value)
+    load_pack()
+
+
+def load_pack():
+    """Import the pack as `qwen_turbo` (its kernels need no ComfyUI)."""
+    import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
