@@ -1,7 +1,9 @@
-"""8-bit attention (int8 QK^T; fp8 or bf16 PV) against cuDNN and flash SDPA, Qwen-Image shapes.
+"""8-bit attention (the Triton int8/fp8 kernel, cuDNN's fp8 SDPA) against cuDNN and flash SDPA.
 
 (1, 24, L, 128) bfloat16 with L = (size / 16)^2 + 256, the image tokens of a size^2 image
-plus 256 text tokens: 7145 at 1328^2, 24905 at 2512^2. Each result is checked against
+plus 256 text tokens: 7145 at 1328^2, 24905 at 2512^2; (B, L, H, D) in memory, the layout
+the DiT's projections write. "cudnn fp8" rows need the cuDNN frontend and a Hopper GPU.
+Each result is checked against
 float32 SDPA first (relative L2), then timed with CUDA events (median of --repeats after a
 warm-up). "quant+attn" is the whole `attention_8bit` call; "attn only" the kernel on
 already-quantized inputs; "quant only" the statistics and quantization passes. An outlier
@@ -34,16 +36,17 @@ def main():
         sys.exit("benchmarks/attention_8bit.py times CUDA kernels and needs a CUDA GPU; none found")
     load_pack()
     from qwen_turbo.kernels import attention_8bit as mod
+    from qwen_turbo.kernels import attention_fp8 as fp8
 
     probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")
     reason = mod.attention_8bit_reason(probe)
     if reason is not None:
         sys.exit(f"the 8-bit attention kernel cannot run here: {reason}")
     with torch.inference_mode():
-        run(a, torch, mod)
+        run(a, torch, mod, fp8)
 
 
-def run(a, torch, mod):
+def run(a, torch, mod, fp8):
     import triton
     from torch.nn import functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,10 +80,10 @@ def run(a, torch, mod):
 
     def one_size(size, rows, configs):
         seq = (size // 16) ** 2 + 256
-        shape = (1, a.heads, seq, 128)
         flops = mod.attention_flops(1, a.heads, seq, seq, 128)
-        q, k, v = (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))  # fmt: skip
+        joint = (1, seq, a.heads, 128)
+        q, k, v = (torch.randn(joint, generator=g, device="cuda", dtype=torch.bfloat16)
+                   .transpose(1, 2) for _ in range(3))  # fmt: skip
         ref = exact(q, k, v)
         out = torch.empty_like(q)
         variants = {
@@ -92,6 +95,16 @@ def run(a, torch, mod):
             variants[f"8bit {tag} quant+attn"] = (partial(mod.attention_8bit, pv_fp8=pv_fp8), None)
             variants[f"8bit {tag} attn only"] = (None, partial(mod._attend, qnt, out))
             variants[f"8bit {tag} quant only"] = (None, partial(mod._quantize, q, k, v, pv_fp8))
+        reason = fp8.attention_fp8_reason(q, k, v)
+        plan = fp8._plan(q, k) if reason is None else reason
+        if isinstance(plan, str):
+            print(f"no cudnn fp8 rows: {plan}")
+        else:
+            qkv8, scales, _ = fp8.quantize(q, k, v)
+            o8 = torch.empty(joint, dtype=fp8.FP8, device="cuda")
+            variants["cudnn fp8 quant+attn"] = (fp8.attention_fp8, None)
+            variants["cudnn fp8 attn only"] = (None, partial(plan.run, *qkv8, scales, o8))
+            variants["cudnn fp8 quant only"] = (None, partial(fp8.quantize, q, k, v))
         for name, (call, bare) in variants.items():
             err = rel(call(q, k, v), ref) if call else None
             ms = timed(bare if bare else partial(call, q, k, v))
@@ -111,12 +124,14 @@ def run(a, torch, mod):
             "outliers (q ch 0-2, k ch 5-7 x100)": (qo / 10, ko / 10, v),
             "huge (q, k x1e3, v x1e4)": (q * 1e3, k * 1e3, v * 1e4),
         }.items():
-            out8 = mod.attention_8bit(qi, ki, vi)
             cudnn = sdpa(SDPBackend.CUDNN_ATTENTION)(qi, ki, vi)
             ref = exact(qi, ki, vi)
-            rows.append({"L": seq, "case": f"8bit fp8 pv {name}",
-                         "finite": bool(out8.isfinite().all()), "rel_l2": round(rel(out8, ref), 5),
-                         "cudnn_rel_l2": round(rel(cudnn, ref), 5)})  # fmt: skip
+            for case, fn in (("8bit fp8 pv", mod.attention_8bit), ("cudnn fp8", fp8.attention_fp8)):
+                out8 = fn(qi, ki, vi)
+                rows.append({"L": seq, "case": f"{case} {name}",
+                             "finite": bool(out8.isfinite().all()),
+                             "rel_l2": round(rel(out8, ref), 5),
+                             "cudnn_rel_l2": round(rel(cudnn, ref), 5)})  # fmt: skip
             del ref
 
     rows, configs = [], {}

@@ -4,7 +4,7 @@ Random full-size weights (60 layers unless --layers), batch 1, 256 text tokens. 
 is loaded from the same state dict, run at each size (warm-up, then the median of CUDA-event
 timings), compared with the stock output (relative L2), and unloaded before the next. With
 --sample-steps N it also times an N-step euler/simple CFG-1 KSampler run at the largest size
-with a random LoRA, stock against the pack's best variant (+ CUDA Graph Sampler).
+with a random LoRA, stock against --sample-variant (+ CUDA Graph Sampler).
 Prints a table and JSON on the last line.
 """
 
@@ -30,6 +30,8 @@ VARIANTS = {
     "fp8_fast fused sdpa, fp8 GEMV": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
     "bf16 fused 8bit": ("pack", "bf16", "8bit", True, "off"),
     "fp8_fast fused 8bit": ("pack", "fp8_e4m3fn_fast", "8bit", True, "off"),
+    "bf16 fused fp8_cudnn": ("pack", "bf16", "fp8_cudnn", True, "off"),
+    "fp8_fast fused fp8_cudnn": ("pack", "fp8_e4m3fn_fast", "fp8_cudnn", True, "off"),
 }
 
 
@@ -63,6 +65,7 @@ def main():
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sample-steps", type=int, default=0, help="also time a sampling run")
+    p.add_argument("--sample-variant", default="fp8_fast fused sdpa", choices=list(VARIANTS))
     a = p.parse_args()
     setup_comfy(highvram=True)  # weights stay on the GPU between variants: no host copies
     import comfy.model_management as mm
@@ -110,13 +113,13 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "layers": a.layers, "forward": rows}  # fmt: skip
     if a.sample_steps:
-        result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps)
+        result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps, a.sample_variant)
     print(json.dumps(result))
 
 
-def sample(sd, size, steps):
+def sample(sd, size, steps, variant):
     """N-step euler/simple CFG 1 with a random LoRA, stock KSampler on the stock model against
-    the CUDA Graph Sampler on the Optimized Loader's fp8_fast fused model."""
+    the CUDA Graph Sampler on the Optimized Loader's `variant` model."""
     import time
 
     import comfy.model_management as mm
@@ -131,8 +134,8 @@ def sample(sd, size, steps):
     cond = [[torch.randn((1, 256, 3584), generator=g), {}]]
     latent = {"samples": torch.zeros((1, 16, 1, size // 8, size // 8))}
     out = {}
-    for name, variant in (("stock", "stock bf16"), ("pack", "fp8_fast fused sdpa")):
-        model = ModelSamplingAuraFlow().patch_aura(load(variant, sd), 3.1)[0]
+    for name, loaded in (("stock", "stock bf16"), ("pack", variant)):
+        model = ModelSamplingAuraFlow().patch_aura(load(loaded, sd), 3.1)[0]
         lora = random_lora(model)
         if name == "pack":  # the CUDA Graph Sampler's default mode
             lora = with_cuda_graphs(lora, whole_step=True)
@@ -155,7 +158,7 @@ def sample(sd, size, steps):
         mm.unload_all_models()
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"sampling {steps} steps at {size}^2 (s, second run): {out}")
+    print(f"sampling {steps} steps at {size}^2, {variant} (s, second run): {out}")
     return out
 
 

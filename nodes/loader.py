@@ -38,7 +38,9 @@ class Loader(io.ComfyNode):
                     "attention", options=qwen_loader.ATTENTION, default="auto",
                     tooltip="auto: ComfyUI's attention (its launch flags decide). sdpa: "
                     "PyTorch SDPA with cuDNN first, the fastest on Hopper. flash: PyTorch's "
-                    "FlashAttention-2 first.",
+                    "FlashAttention-2 first. fp8_cudnn: cuDNN's fp8 attention (Hopper and newer, "
+                    "needs `pip install nvidia-cudnn-frontend`; else sdpa), about 1.45x faster "
+                    "than sdpa at 2512^2, with a small error.",
                 ),
                 io.Boolean.Input(
                     "fused_kernels", default=True,

@@ -2,7 +2,8 @@
 
 ComfyUI's SDPA path sets its own backend priority inside `comfy.ops`, so choosing a backend
 means calling `F.scaled_dot_product_attention` here under our priority. "8bit" runs the
-pack's Triton kernel (int8 q.k, fp8 P.v) where it can, else SDPA. The call signature is
+pack's Triton kernel (int8 q.k, fp8 P.v) where it can, else SDPA; "fp8_cudnn" cuDNN's fp8
+attention (Hopper+, `nvidia-cudnn-frontend`) where it can, else SDPA. The call signature is
 ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
 """
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.attention_8bit import attention_8bit
+from ..kernels.attention_fp8 import attention_fp8
 
 BACKENDS = {
     # cuDNN first: 571 TFLOP/s at L = 24,905 on an H200, against 360 for flash.
@@ -52,16 +54,24 @@ def sdpa(backends: list[SDPBackend]):
     return core
 
 
-def quantized_8bit(q, k, v, mask):
-    """The 8-bit kernel; masked calls (which it does not take) go to SDPA, cuDNN first."""
-    if mask is not None:
-        return sdpa(BACKENDS["sdpa"])(q, k, v, mask)
-    return attention_8bit(q, k, v)
+def quantized(kernel):
+    """`kernel(q, k, v)`; masked calls (which it does not take) go to SDPA, cuDNN first."""
+
+    def core(q, k, v, mask):
+        if mask is not None:
+            return sdpa(BACKENDS["sdpa"])(q, k, v, mask)
+        return kernel(q, k, v)
+
+    return core
+
+
+QUANTIZED = {"8bit": attention_8bit, "fp8_cudnn": attention_fp8}
 
 
 def attention_override(name: str):
     """A `transformer_options["optimized_attention_override"]` running backend `name`."""
-    attention = comfy_signature(quantized_8bit if name == "8bit" else sdpa(BACKENDS[name]))
+    core = quantized(QUANTIZED[name]) if name in QUANTIZED else sdpa(BACKENDS[name])
+    attention = comfy_signature(core)
 
     def override(func, *args, **kwargs):
         kwargs.pop("_inside_attn_wrapper", None)

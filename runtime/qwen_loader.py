@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = "diffusion_models"
 WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
-ATTENTION = ["auto", "sdpa", "flash"]
+ATTENTION = ["auto", "sdpa", "flash", "fp8_cudnn"]
 COMPILE = ["off", "regional"]
 SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"

@@ -268,7 +268,8 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
     mm.unload_all_models()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flash", "8bit"])  # 8bit: SDPA on CPU float32
+# 8bit, fp8_cudnn: SDPA on CPU float32
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "8bit", "fp8_cudnn"])
 def test_attention_choice_keeps_the_result(narrow_sd, attention):
     cfg = qwen_dit.read_config(narrow_sd)
     x, ctx = _inputs(cfg)
@@ -293,17 +294,17 @@ def test_regional_compile_wraps_each_block(narrow_sd):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("attention", ["auto", "8bit"])
+@pytest.mark.parametrize("attention", ["auto", "8bit", "fp8_cudnn"])
 def test_fused_block_full_width_on_gpu(attention):
     """Qwen-Image's real block (3072 wide, 24 heads) in bf16 at 1328^2 image tokens + 256 text
-    tokens: fused against ComfyUI's, both against the float32 block. With the 8-bit
+    tokens: fused against ComfyUI's, both against the float32 block. With an 8-bit
     attention the block's outputs stay within 2% of the float32 block's."""
     import comfy.ldm.qwen_image.model as qm
     import comfy.ops
     from comfy.ldm.flux.layers import EmbedND
     from comfy.ldm.qwen_image.model import QwenImageTransformerBlock
 
-    from qwen_turbo.runtime.attention import comfy_signature, quantized_8bit
+    from qwen_turbo.runtime.attention import QUANTIZED, comfy_signature, quantized
 
     def block(dtype):
         b = QwenImageTransformerBlock(3072, 24, 128, operations=comfy.ops.disable_weight_init)
@@ -320,8 +321,8 @@ def test_fused_block_full_width_on_gpu(attention):
     args16 = [t.to(torch.bfloat16) for t in args32]
     ours, stock = block(torch.bfloat16), block(torch.float32)
     attend = qm.optimized_attention_masked
-    if attention == "8bit":
-        attend = comfy_signature(quantized_8bit)
+    if attention != "auto":
+        attend = comfy_signature(quantized(QUANTIZED[attention]))
     with torch.inference_mode():
         fused = qwen_dit.fused_block_forward(ours, attend)
         out = fused(args16[0], args16[1], None, args16[2], args16[3])
@@ -329,7 +330,7 @@ def test_fused_block_full_width_on_gpu(attention):
         exact = stock(args32[0], args32[1], None, args32[2], args32[3])
     for o, e, x in zip(out, eager, exact, strict=True):
         assert o.isfinite().all()
-        if attention == "8bit":
+        if attention != "auto":
             assert _rel(o.float(), x) < 2e-2
             continue
         assert _rel(o.float(), x) <= 2 * _rel(e.float(), x) + 1e-3

@@ -1,0 +1,324 @@
+"""fp8 attention through cuDNN: the Triton passes (quantization with v's channel means
+taken out, and back) against their PyTorch reference (CPU, through the interpreter), every
+fallback branch, and on a Hopper GPU the whole op against exact attention.
+
+Against exact attention the relative L2 error is fp8's own: q.k, P, v and O each carry
+e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). Measured on an H200: 6.3 % at L =
+7,145 and 7.6 % at L = 24,905 on i.i.d. N(0, 1) inputs. Bound: 1e-1.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen_turbo.kernels import attention_fp8 as mod
+from qwen_turbo.kernels._triton import HAS_TRITON
+from qwen_turbo.kernels.attention_fp8 import (
+    DK,
+    DQ,
+    DS,
+    DV,
+    FP8,
+    SO,
+    SS,
+    attention_fp8,
+    quantize_reference,
+)
+from tests.kernels.common import (
+    assert_compiles_full_graph,
+    assert_cuda_graph_replays,
+    assert_logged_once,
+    needs_cuda,
+    needs_triton,
+)
+
+OP = "attention_fp8"
+REFERENCES = (mod, "attention_exact")  # what `kernel_only` makes fail
+EXACT_TOL = 1e-1
+FP8_NAN = 0x7F
+ULP = 2**-23  # the scales: 1 / x may round apart by an ulp between Triton and PyTorch
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty / empty_like filled with NaN (fp8: its NaN bits), so that an
+    element a kernel does not write shows."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.dtype == FP8:
+            t.view(torch.uint8).fill_(FP8_NAN)
+        elif t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_like(*a, **kw)))
+
+
+def _joint(b, h, seq, d, dtype, seed, device="cpu", scale=1.0):
+    """N(0, scale^2) as (B, H, L, D) views of (B, L, H, D) memory, the DiT's layout."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, seq, h, d, generator=g) * scale
+    return x.to(device=device, dtype=dtype).transpose(1, 2)
+
+
+def _qkv(b, h, lq, lk, d, dtype, seed, device="cpu"):
+    return tuple(_joint(b, h, n, d, dtype, seed + i, device) for i, n in enumerate((lq, lk, lk)))
+
+
+def _rel(out, exact):
+    return ((out.double() - exact.double()).norm() / exact.double().norm()).item()
+
+
+# The Triton passes (interpreter on CPU).
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,seq,d", [(2, 3, 37, 64), (1, 2, 300, 128)])
+@pytest.mark.parametrize("layout", ["joint", "contiguous"])
+def test_quantize_matches_reference(poisoned, dtype, b, h, seq, d, layout):
+    """Exact fp8 values in (B, L, H, D) memory and the six scales, for odd lengths and both
+    input layouts; magnitudes differ per tensor, and v has channel means to take out."""
+    q, k, v = (_joint(b, h, seq, d, dtype, seed=s, scale=10.0**s) for s in (-2, 0, 2))
+    v = v + _joint(b, h, 1, d, dtype, seed=5, scale=300)
+    if layout == "contiguous":
+        q, k, v = (x.contiguous() for x in (q, k, v))
+    out, scales, v_mean = mod.quantize(q, k, v)
+    torch.testing.assert_close(v_mean, v.double().mean(2).float(), rtol=1e-5, atol=1e-3)
+    for slot, x in enumerate((q, k, v)):
+        ref8, descale = quantize_reference(x, v_mean if slot == DV else None)
+        assert out[slot].shape == x.shape and out[slot].dtype == FP8
+        assert out[slot].transpose(1, 2).is_contiguous()
+        # values: the interpreter drops -0's sign
+        assert torch.equal(out[slot].float(), ref8.float())
+        torch.testing.assert_close(scales[slot : slot + 1], descale, rtol=ULP, atol=0)
+    torch.testing.assert_close(scales[SO], 1 / scales[DV], rtol=ULP, atol=0)
+    assert scales[SS] == 448 and scales[DS] == 1 / 448
+
+
+@needs_triton
+def test_quantize_zero_and_huge(poisoned):
+    """An all-zero q quantizes to zeros with a finite scale; float16 k of 3e4 lands on
+    +-448; a constant v is all mean: zeros."""
+    q = torch.zeros(1, 2, 37, 64, dtype=torch.float16)
+    k = _joint(1, 2, 37, 64, torch.float16, seed=3, scale=1e4)
+    v = torch.full_like(q, 7.0)
+    (q8, k8, v8), scales, v_mean = mod.quantize(q, k, v)
+    assert (q8.float() == 0).all() and (v8.float() == 0).all() and scales.isfinite().all()
+    assert k8.float().abs().max() == 448
+    assert torch.equal(k8.float(), quantize_reference(k)[0].float())
+    assert (v_mean == 7).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize(poisoned, dtype):
+    g = torch.Generator().manual_seed(4)
+    o8 = (torch.randn(2, 37, 3, 64, generator=g) * 100).to(FP8)
+    scales = torch.rand(6, generator=g) + 0.5
+    v_mean = torch.randn(2, 3, 64, generator=g)
+    out = mod.dequantize(o8, scales, v_mean, dtype)
+    assert out.dtype == dtype and out.shape == o8.shape
+    assert torch.equal(out, (o8.float() * scales[DV] + v_mean[:, None]).to(dtype))
+
+
+@needs_triton
+def test_scales_and_means_round_trip():
+    """The passes with cuDNN's part done in float32 from the same fp8 tensors and scales
+    (q.k descaled by DQ, DK; v by DV; O scaled by SO): close to exact attention, v's
+    large channel means added back."""
+    q, k, v = _qkv(1, 2, 77, 300, 64, torch.bfloat16, seed=6)
+    v = v + _joint(1, 2, 1, 64, torch.bfloat16, seed=7, scale=50)
+    (q8, k8, v8), scales, v_mean = mod.quantize(q, k, v)
+    s = (q8.float() * scales[DQ]) @ (k8.float() * scales[DK]).mT / 8
+    o = s.softmax(-1) @ (v8.float() * scales[DV])
+    o8 = (o * scales[SO]).clamp(-448, 448).to(FP8).transpose(1, 2).contiguous()
+    out = mod.dequantize(o8, scales, v_mean, torch.bfloat16).transpose(1, 2)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert _rel(out, exact) <= 2e-2, _rel(out, exact)  # mostly the mean, exact
+
+
+# Fallbacks: each branch runs exact SDPA on the inputs as given, logged once.
+
+
+@pytest.fixture
+def with_cudnn(monkeypatch):
+    """As if the cuDNN frontend were installed (the CPU venv has none)."""
+    monkeypatch.setattr(mod, "cudnn", object())
+
+
+def _assert_falls_back(q, k, v, caplog, reason):
+    out = attention_fp8(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+    assert_logged_once(caplog, OP, reason)
+
+
+def test_fallback_no_frontend(monkeypatch, fresh_log):
+    monkeypatch.setattr(mod, "cudnn", None)
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    _assert_falls_back(q, k, v, fresh_log, "pip install nvidia-cudnn-frontend")
+
+
+def test_fallback_cpu(with_cudnn, fresh_log):
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    _assert_falls_back(q, k, v, fresh_log, "tensors on cpu are not supported")
+
+
+def test_fallback_old_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 9))
+    reason = mod._device_reason(torch.device("cuda", 0))
+    assert reason == "compute capability 8.9: cuDNN's fp8 attention needs 9.0+"
+
+
+@pytest.fixture
+def on_gpu(with_cudnn, monkeypatch):
+    """CPU tensors pass the device check (the interpreter stands in for the GPU)."""
+    monkeypatch.setattr(mod, "_device_reason", lambda device: None)
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda q, k, v: (q.float(), k.float(), v.float()), "are not supported (bfloat16"),
+        (lambda q, k, v: (q, k, v.half()), "torch.bfloat16, torch.bfloat16, torch.float16"),
+        (lambda q, k, v: (q[0], k[0], v[0]), "are not (B, H, L, D)"),
+        (lambda q, k, v: (q, k[:, :1], v[:, :1]), "do not match q"),
+        (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "do not match q"),
+        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head size 32"),
+        (lambda q, k, v: (q.mT.contiguous().mT, k, v), "head dimension is not contiguous"),
+    ],
+    ids=["float32", "mixed", "3d", "heads", "no keys", "head size", "strides"],
+)
+def test_fallback_inputs(on_gpu, fresh_log, change, reason):
+    q, k, v = change(*_qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0))
+    if q.dtype != v.dtype:
+        with pytest.raises(RuntimeError):  # SDPA's own error for mixed dtypes
+            attention_fp8(q, k, v)
+        assert_logged_once(fresh_log, OP, reason)
+    else:
+        _assert_falls_back(q, k, v, fresh_log, reason)
+
+
+def test_fallback_autograd(on_gpu, fresh_log):
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    q.requires_grad_()
+    _assert_falls_back(q, k, v, fresh_log, "require grad")
+
+
+@needs_triton
+def test_fallback_triton_unavailable(on_gpu, monkeypatch, fresh_log):
+    monkeypatch.setattr(mod, "unsupported", lambda x: "Triton is not installed (test)")
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    _assert_falls_back(q, k, v, fresh_log, "Triton is not installed")
+
+
+def test_fallback_cudnn_declines(on_gpu, monkeypatch, fresh_log):
+    """A shape cuDNN cannot build is remembered: built once, logged once, exact SDPA."""
+    built = []
+
+    def decline(*args):
+        built.append(args)
+        raise RuntimeError("no engine proposed a plan for this graph\nsecond line")
+
+    monkeypatch.setattr(mod, "_plans", {})
+    monkeypatch.setattr(mod, "_handles", {None: "handle"})
+    monkeypatch.setattr(mod, "_Plan", decline)
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    _assert_falls_back(q, k, v, fresh_log, "cuDNN declined the fp8 attention graph: no engine")
+    attention_fp8(q, k, v)
+    assert built == [("handle", 1, 2, 5, 7, 64)]
+
+
+def test_module_imports_without_triton(without_triton, caplog):
+    fp8 = without_triton("attention_fp8")
+    assert not fp8.HAS_TRITON
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    out = fp8.attention_fp8(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+
+
+# On a Hopper GPU with the cuDNN frontend.
+
+needs_cudnn_fp8 = pytest.mark.skipif(
+    mod.cudnn is None
+    or not torch.cuda.is_available()
+    or torch.cuda.get_device_capability() < (9, 0)
+    or not HAS_TRITON,
+    reason="needs the cuDNN frontend and a GPU of compute capability 9.0+",
+)
+
+
+def _gpu_rel(out, q, k, v):
+    """Relative L2 of out against float32 SDPA (float64 stand-in: its error is ~1e-6)."""
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    return _rel(out.float(), exact)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,lq,lk,d", [(1, 24, 7145, 7145, 128), (2, 4, 1000, 2077, 64)])
+def test_gpu_matches_exact(kernel_only, dtype, b, h, lq, lk, d):
+    q, k, v = _qkv(b, h, lq, lk, d, dtype, seed=20, device="cuda")
+    out = attention_fp8(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
+    assert out.transpose(1, 2).is_contiguous()
+    assert _gpu_rel(out, q, k, v) <= EXACT_TOL, _gpu_rel(out, q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_quantize_matches_reference(poisoned):
+    xs = _qkv(1, 24, 1000, 2077, 128, torch.bfloat16, seed=21, device="cuda")
+    out, scales, v_mean = mod.quantize(*xs)
+    for slot, (x, x8) in enumerate(zip(xs, out, strict=True)):
+        ref8, descale = quantize_reference(x, v_mean if slot == DV else None)
+        assert torch.equal(x8.view(torch.uint8), ref8.view(torch.uint8))
+        torch.testing.assert_close(scales[slot : slot + 1], descale, rtol=ULP, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_huge_values_finite(kernel_only, dtype):
+    """Logits of about 1e6 (every row a hard argmax) and |v| up to ~3e4: finite, and
+    within v's range (O is a convex combination of v's rows; fp8 rounds by 2^-4 at most)."""
+    q, k, v = _qkv(1, 24, 7145, 7145, 128, dtype, seed=22, device="cuda")
+    q, k, v = q * 1e3, k * 1e3, v * 5e3
+    out = attention_fp8(q, k, v)
+    assert out.isfinite().all()
+    assert out.float().abs().max() <= v.float().abs().max() * (1 + 2**-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_v_channel_means(kernel_only):
+    """v with channel means holding most of its norm, as in the DiT's later layers, at the
+    2512^2 sequence length. Without smoothing the error here is about the mean's share of
+    O (it was 12-29 % on the DiT's inputs); smoothed, it is fp8's own on the rest."""
+    q, k, v = _qkv(1, 24, 24905, 24905, 128, torch.bfloat16, seed=25, device="cuda")
+    v = v + _joint(1, 24, 1, 128, torch.bfloat16, seed=26, device="cuda", scale=3)
+    out = attention_fp8(q, k, v)
+    assert _gpu_rel(out, q, k, v) <= 1e-2, _gpu_rel(out, q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_cuda_graph_capture(kernel_only):
+    q, k, v = _qkv(1, 24, 1000, 1000, 128, torch.bfloat16, seed=23, device="cuda")
+    assert_cuda_graph_replays(lambda: attention_fp8(q, k, v), q, 2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_torch_compile_full_graph(kernel_only):
+    q, k, v = _qkv(1, 2, 500, 700, 128, torch.bfloat16, seed=24, device="cuda")
+    assert_compiles_full_graph(lambda x: attention_fp8(x, k, v) * 2, q)
