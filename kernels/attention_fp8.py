@@ -138,13 +138,16 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
     def quantize(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """q, k and v less its channel means ((B, H, L, D), last stride 1) in fp8, (B, L, H,
         D) memory viewed (B, H, L, D); the float32 scales (slots DQ..DS) and v's channel
-        means (float32 (B, H, D))."""
+        means (float32 (B, H, D); zeros without smooth_v)."""
         dev = q.device
-        v_mean = v.mean(dim=2, dtype=torch.float32)
+        if smooth_v:
+            v_mean = v.mean(dim=2, dtype=torch.float32)
+        else:
+            v_mean = torch.zeros(v.shape[:2] + v.shape[3:], dtype=torch.float32, device=dev)
         amax = torch.zeros(3, dtype=torch.int32, device=dev)
         scales = torch.empty(6, dtype=torch.float32, device=dev)
         out = []
@@ -154,9 +157,10 @@ if HAS_TRITON:
             grid = (triton.cdiv(seq, block), b * h)
             args = (x, v_mean, amax[slot:])
             shape = (seq, h, *x.stride()[:3])
-            _amax_kernel[grid](*args, *shape, SUB_MEAN=slot == DV, D=d, BLOCK=block)
+            sub_mean = smooth_v and slot == DV
+            _amax_kernel[grid](*args, *shape, SUB_MEAN=sub_mean, D=d, BLOCK=block)
             x8 = torch.empty((b, seq, h, d), dtype=FP8, device=dev)
-            _quant_kernel[grid](*args, x8, scales, *shape, SLOT=slot, SUB_MEAN=slot == DV,
+            _quant_kernel[grid](*args, x8, scales, *shape, SLOT=slot, SUB_MEAN=sub_mean,
                                 D=d, BLOCK=block, INTERPRET=not x.is_cuda)  # fmt: skip
             out.append(x8.transpose(1, 2))
         return out, scales, v_mean
@@ -266,11 +270,14 @@ def attention_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> s
     return grad_reason(q, k, v)
 
 
-def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v on fp8 tensor cores, through cuDNN.
 
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
-    128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. Other inputs, GPUs
+    128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
+    leaves v's channel means in (only to measure what smoothing does). Other inputs, GPUs
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and
     log why once.
     """
@@ -278,25 +285,27 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     if reason is not None:
         log_fallback_once(OP, reason)
         return attention_exact(q, k, v)
-    return _attention_fp8_op(q, k, v).transpose(1, 2)
+    return _attention_fp8_op(q, k, v, smooth_v).transpose(1, 2)
 
 
 if HAS_TRITON:
 
     @torch.library.custom_op("qwen_turbo::attention_fp8", mutates_args=())
-    def _attention_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attention_fp8_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool
+    ) -> torch.Tensor:
         """(B, Lq, H, D); the plan is looked up here, where torch.compile does not trace."""
         plan = _plan(q, k)
         if isinstance(plan, str):
             log_fallback_once(OP, plan)
             return attention_exact(q, k, v).transpose(1, 2).contiguous()
-        (q8, k8, v8), scales, v_mean = quantize(q, k, v)
+        (q8, k8, v8), scales, v_mean = quantize(q, k, v, smooth_v)
         b, h, lq, d = q.shape
         o8 = torch.empty((b, lq, h, d), dtype=FP8, device=q.device)
         plan.run(q8, k8, v8, scales, o8)
         return dequantize(o8, scales, v_mean, q.dtype)
 
     @_attention_fp8_op.register_fake
-    def _(q, k, v):
+    def _(q, k, v, smooth_v):
         b, h, lq, d = q.shape
         return q.new_empty((b, lq, h, d))

@@ -99,6 +99,17 @@ def test_quantize_matches_reference(poisoned, dtype, b, h, seq, d, layout):
 
 
 @needs_triton
+def test_quantize_without_smoothing(poisoned):
+    q, k, v = _qkv(1, 2, 37, 37, 64, torch.bfloat16, seed=8)
+    v = v + 5
+    (_, _, v8), scales, v_mean = mod.quantize(q, k, v, smooth_v=False)
+    assert (v_mean == 0).all()
+    ref8, descale = quantize_reference(v)
+    assert torch.equal(v8.float(), ref8.float())
+    torch.testing.assert_close(scales[DV : DV + 1], descale, rtol=ULP, atol=0)
+
+
+@needs_triton
 def test_quantize_zero_and_huge(poisoned):
     """An all-zero q quantizes to zeros with a finite scale; float16 k of 3e4 lands on
     +-448; a constant v is all mean: zeros."""
@@ -304,8 +315,9 @@ def test_gpu_v_channel_means(kernel_only):
     O (it was 12-29 % on the DiT's inputs); smoothed, it is fp8's own on the rest."""
     q, k, v = _qkv(1, 24, 24905, 24905, 128, torch.bfloat16, seed=25, device="cuda")
     v = v + _joint(1, 24, 1, 128, torch.bfloat16, seed=26, device="cuda", scale=3)
-    out = attention_fp8(q, k, v)
-    assert _gpu_rel(out, q, k, v) <= 1e-2, _gpu_rel(out, q, k, v)
+    err = _gpu_rel(attention_fp8(q, k, v), q, k, v)
+    err_raw = _gpu_rel(attention_fp8(q, k, v, smooth_v=False), q, k, v)
+    assert err <= 1e-2 and err_raw >= 3 * err, (err, err_raw)
 
 
 @pytest.mark.gpu
