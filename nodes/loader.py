@@ -40,8 +40,7 @@ class Loader(io.ComfyNode):
                     "PyTorch SDPA with cuDNN first, the fastest on Hopper. flash: PyTorch's "
                     "FlashAttention-2 first. fp8_cudnn: cuDNN's fp8 attention (Hopper and newer, "
                     "needs `pip install nvidia-cudnn-frontend`; else sdpa): 1.37x faster than "
-                    "sdpa at 2512^2, no gain at 1328^2; output error about 1% (0.84% on random "
-                    "weights at 2512^2).",
+                    "sdpa at 2512^2; output error about 1% (0.84% on random weights at 2512^2).",
                 ),
                 io.Boolean.Input(
                     "fused_kernels", default=True,
