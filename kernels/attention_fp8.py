@@ -17,8 +17,9 @@ sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v a
 
 cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Without it,
 on other GPUs, on masked calls or on shapes cuDNN declines, the call runs exact SDPA and
-logs why once. Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.66 ms
-for the whole call (cuDNN's kernel 9.28) against 13.42 ms for cuDNN's bf16 attention.
+logs why once. Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.91 ms
+for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 attention
+(benchmarks/RESULTS.md). At L = 7,145 the passes around the kernel (0.5 ms) eat its gain.
 Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: each of
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 """
