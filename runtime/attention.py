@@ -57,10 +57,10 @@ def sdpa(backends: list[SDPBackend]):
 def quantized(kernel):
     """`kernel(q, k, v)`; masked calls (which it does not take) go to SDPA, cuDNN first."""
 
+    masked = sdpa(BACKENDS["sdpa"])
+
     def core(q, k, v, mask):
-        if mask is not None:
-            return sdpa(BACKENDS["sdpa"])(q, k, v, mask)
-        return kernel(q, k, v)
+        return kernel(q, k, v) if mask is None else masked(q, k, v, mask)
 
     return core
 
