@@ -3,8 +3,10 @@
 Random full-size weights (60 layers unless --layers), batch 1, 256 text tokens. Each variant
 is loaded from the same state dict, run at each size (warm-up, then the median of CUDA-event
 timings), compared with the stock output (relative L2), and unloaded before the next. With
---sample-steps N it also times an N-step euler/simple CFG-1 KSampler run at the largest size
-with a random LoRA, stock against --sample-variant (+ CUDA Graph Sampler).
+--graph each forward is also captured in a CUDA graph and its replays timed (the GPU's time
+alone, without the host's launch cost). With --sample-steps N it also times an
+N-step euler/simple CFG-1 KSampler run at the largest size with a random LoRA, stock against
+--sample-variant (+ CUDA Graph Sampler).
 Prints a table and JSON on the last line.
 """
 
@@ -64,6 +66,7 @@ def main():
     p.add_argument("--layers", type=int, default=60, help="60 = the real model")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
     p.add_argument("--sample-steps", type=int, default=0, help="also time a sampling run")
     p.add_argument("--sample-variant", default="fp8_fast fused sdpa", choices=list(VARIANTS))
     a = p.parse_args()
@@ -71,11 +74,11 @@ def main():
     import comfy.model_management as mm
     import torch
 
-    from qwen_turbo.runtime.bench import forward_fn, qwen_dit_state_dict, timed
+    from qwen_turbo.runtime import bench
 
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")
-    sd = qwen_dit_state_dict(a.layers, "cuda")
+    sd = bench.qwen_dit_state_dict(a.layers, "cuda")
     rows, ref = [], {}
     for variant in a.variants:
         patcher = load(variant, sd)
@@ -83,24 +86,33 @@ def main():
         weights = sum(t.numel() * t.element_size() for t in patcher.model.state_dict().values())
         for size in a.sizes:
             torch.cuda.reset_peak_memory_stats()
-            ms, out = timed(forward_fn(patcher, size), a.repeats)
+            run = bench.forward_fn(patcher, size)
+            ms, out = bench.timed(run, a.repeats)
             out = out.float()
             if variant == a.variants[0]:
                 ref[size] = out
-            err = ((out - ref[size]).norm() / ref[size].norm()).item()
+            err = _rel(out, ref[size])
             rows.append({
                 "variant": variant, "size": size, "ms": round(ms, 1),
                 "vs_first": None, "rel_l2": err, "finite": bool(out.isfinite().all()),
                 "weights_gib": round(weights / 2**30, 2),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             })  # fmt: skip
+            if a.graph:
+                graph_ms, graph_out = bench.graph_timed(run, a.repeats)
+                rows[-1].update(
+                    graph_ms=round(graph_ms, 1), graph_rel_l2=_rel(graph_out, ref[size])
+                )
+                del graph_out
         del patcher, out
         mm.unload_all_models()
         gc.collect()
         torch.cuda.empty_cache()
-    first = {r["size"]: r["ms"] for r in rows if r["variant"] == a.variants[0]}
+    first = {r["size"]: r for r in rows if r["variant"] == a.variants[0]}
     for r in rows:
-        r["vs_first"] = round(r["ms"] / first[r["size"]], 3)
+        r["vs_first"] = round(r["ms"] / first[r["size"]]["ms"], 3)
+        if a.graph:
+            r["graph_vs_first"] = round(r["graph_ms"] / first[r["size"]]["graph_ms"], 3)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.layers} layers")
     head = ("variant", "size", "ms", "ratio", "rel L2", "weights", "peak")
     print("{:26} {:>5} {:>8} {:>6} {:>9} {:>8} {:>7}".format(*head))
@@ -109,12 +121,18 @@ def main():
             f"{r['variant']:26} {r['size']:5d} {r['ms']:8.1f} {r['vs_first']:6.3f} "
             f"{r['rel_l2']:9.2e} {r['weights_gib']:7.2f}G {r['peak_gib']:6.2f}G"
             + ("" if r["finite"] else "  NON-FINITE")
-        )
+            + (f"  graph {r['graph_ms']:.1f} ({r['graph_vs_first']:.3f}, {r['graph_rel_l2']:.2e})"
+               if a.graph else "")
+        )  # fmt: skip
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "layers": a.layers, "forward": rows}  # fmt: skip
     if a.sample_steps:
         result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps, a.sample_variant)
     print(json.dumps(result))
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b).norm() / b.norm()).item()
 
 
 def sample(sd, size, steps, variant):

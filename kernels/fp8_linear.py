@@ -10,6 +10,10 @@ activation scale, what ComfyUI's fp8_linear uses, does). Then
 `quantize_rows` computes the scales and the fp8 rows in one pass (Triton: one program per row
 holding it in registers), optionally applying GELU-tanh first, so the MLP's second linear
 takes the first one's raw output and the activation costs no extra pass.
+
+`fp8_gemv` is the path for a few rows (the timestep modulation: one row per sample): the
+activations stay in bf16 and the fp8 weight is read once, widened in registers, so it costs
+one pass over the fp8 weight instead of a bf16 copy of it.
 """
 
 import math
@@ -21,12 +25,15 @@ from ._triton import HAS_TRITON, grad_reason, log_fallback_once, tl, triton, uns
 
 OP = "fp8_linear"
 OP_QUANT = "quantize_rows"
+OP_GEMV = "fp8_gemv"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Smallest scale: an all-zero row quantizes to zeros instead of 0/0.
 MIN_SCALE = 1e-12
 # Widest row one program holds in registers (Qwen-Image's MLP: 12288).
 MAX_K = 16384
+# fp8_gemv's tile: output columns per program, and the K step.
+GEMV_BLOCK_N, GEMV_BLOCK_K = 32, 256
 IN_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -103,6 +110,63 @@ if HAS_TRITON:
     def _(x, gelu):
         m, k = x.shape
         return x.new_empty((m, k), dtype=FP8), x.new_empty((m, 1), dtype=torch.float32)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """out[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n]: fp8 w widened to x's dtype
+        (exact), products exact in the tensor cores, float32 sums. One program: BLOCK_N
+        outputs of BLOCK_M rows."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(K_STEPS):  # a constexpr count: the interpreter cannot loop to a K
+            offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * sx_m + offs_k[None, :],
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + offs_n[None, :] * sw_n + offs_k[:, None],
+                mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
+                other=0.0,
+            )
+            if INTERPRET:  # its dot mishandles bfloat16; float32 is exact here too
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        out = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + offs_m[:, None] * so_m + offs_n[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @torch.library.custom_op("qwen_turbo::fp8_gemv", mutates_args=())
+    def _fp8_gemv_op(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m:
+            grid = (triton.cdiv(n, GEMV_BLOCK_N), triton.cdiv(m, 16))
+            _gemv_kernel[grid](
+                x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+                x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                BLOCK_M=16, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
+                K_STEPS=triton.cdiv(k, GEMV_BLOCK_K), INTERPRET=not x.is_cuda, num_warps=4,
+                num_stages=4,
+            )  # fmt: skip
+        return out
+
+    @_fp8_gemv_op.register_fake
+    def _(x, weight, scale, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,4 +255,49 @@ def fp8_linear(
         xq, weight.t(), scale_a=scale_a, scale_b=scale_b.contiguous(),
         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype,
     )  # fmt: skip
+    return out.reshape(*lead, n)
+
+
+def _gemv_why_not(x, weight, scale_weight, bias) -> str | None:
+    reason = unsupported(x)
+    if reason is not None:
+        return reason
+    if x.dtype not in IN_DTYPES:
+        return f"activation dtype {x.dtype} is not bfloat16 or float16"
+    if weight.dtype != FP8 or weight.ndim != 2 or weight.stride(1) != 1:
+        return f"weight {weight.dtype} {tuple(weight.shape)} is not row-major float8_e4m3fn"
+    n = weight.shape[0]
+    if scale_weight.numel() != 1 and scale_weight.shape != (1, n):
+        return "scale_weight is not one value per tensor or a (1, N) row"
+    if bias is not None and bias.shape != (n,):
+        return f"bias shape {tuple(bias.shape)} is not ({n},)"
+    return grad_reason(x, weight, bias)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight * scale_weight, bias) for a few rows of x, without an fp8 copy of x
+    or a bf16 copy of the weight: the weight is read once, in fp8, and widened in registers.
+
+    x: (..., K) bfloat16 or float16 (the output dtype); weight: (N, K) float8_e4m3fn, unit
+    stride along K, on x's device; scale_weight: one float32 value or a (1, N) row; bias:
+    (N,) or None. Exact products and float32 sums, so it is closer to float32 math than the
+    reference (`fp8_linear_reference`: the weight rounded to bf16 first), which it uses for
+    other inputs, without Triton, or under autograd. Any row count works; it pays off below
+    about 16 rows, where a GEMM would be memory-bound on the weight anyway.
+    """
+    reason = _gemv_why_not(x, weight, scale_weight, bias)
+    if reason is not None:
+        log_fallback_once(OP_GEMV, reason)
+        return fp8_linear_reference(x, weight, scale_weight, bias)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    scale = scale_weight.to(device=x.device, dtype=torch.float32).reshape(-1).expand(n)
+    x2 = x.reshape(math.prod(lead), k)
+    out = _fp8_gemv_op(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, scale.contiguous(),
+                       None if bias is None else bias.to(x.dtype))  # fmt: skip
     return out.reshape(*lead, n)

@@ -23,6 +23,7 @@ from qwen_turbo.kernels.fp8_linear import (
     MAX_K,
     MIN_SCALE,
     fp8_gemm_reason,
+    fp8_gemv,
     fp8_linear,
     fp8_linear_reference,
     quantize_rows,
@@ -38,7 +39,7 @@ from tests.kernels.common import (
     needs_triton,
 )
 
-OP, OP_QUANT = "fp8_linear", "quantize_rows"  # as the log names them
+OP, OP_QUANT, OP_GEMV = "fp8_linear", "quantize_rows", "fp8_gemv"  # as the log names them
 REFERENCES = (mod, "quantize_rows_reference", "fp8_linear_reference")  # what `kernel_only` fails
 
 # Every finite float8_e4m3fn value (254: +-0 and +-448 included), as float32.
@@ -392,6 +393,144 @@ def test_module_imports_without_triton(without_triton, caplog):
     x, weight, scale_weight, b = _linear_inputs((3,), 48, 64, torch.bfloat16, seed=12)
     out = copy.fp8_linear(x, weight, scale_weight, b)
     torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    out = copy.fp8_gemv(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+
+
+# fp8_gemv: a few rows against float64, through the interpreter on CPU.
+
+
+def _gemv_exact(x, weight, scale_weight, b):
+    w = weight.double() * scale_weight.double().reshape(-1, 1)
+    return F.linear(x.double(), w, None if b is None else b.double())
+
+
+def _assert_gemv_close(out, exact, x, weight, scale_weight, ulps_out):
+    """|out - exact| within `ulps_out` of out's dtype (its rounding: 1/2 on the GPU, 1 in the
+    interpreter, whose float32 -> bfloat16 cast truncates) plus float32 summation error."""
+    eps = torch.finfo(out.dtype).eps
+    w = weight.double().abs() * scale_weight.double().abs().reshape(-1, 1)
+    sums = F.linear(x.double().abs(), w)  # sum_k |x w|: bounds the float32 sum's error
+    bound = ulps_out * eps * exact.abs() + 1e-6 * sums + 1e-30
+    excess = ((out.double() - exact).abs() / bound).max().item()
+    assert excess <= 1, excess
+
+
+# (M, N, K): one row over a masked N and K; three rows; 17 rows (two row blocks).
+GEMV_SHAPES = [(1, 96, 200), (3, 50, 64), (17, 40, 300)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("per_row_scale", [False, True])
+def test_gemv_matches_float64(kernel_only, dtype, shape, bias, per_row_scale):
+    m, n, k = shape
+    x, weight, scale_weight, b = _linear_inputs((m,), n, k, dtype, seed=m + n + k, bias=bias)
+    if per_row_scale:  # the loader's (1, N) row, here with a different value per column
+        scale_weight = scale_weight * torch.linspace(0.5, 2, n).reshape(1, n)
+    out = fp8_gemv(x, weight, scale_weight, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    exact = _gemv_exact(x, weight, scale_weight, b)
+    _assert_gemv_close(out, exact, x, weight, scale_weight, ulps_out=1)
+
+
+@needs_triton
+def test_gemv_kernel_writes_every_element_and_nothing_else():
+    """Into a NaN-filled (M, N) view of a wider buffer, from strided rows of x."""
+    m, n, k = 3, 50, 64
+    x, weight, scale_weight, b = _linear_inputs((m,), n, k, torch.bfloat16, seed=20)
+    wide = torch.full((m, k + 7), float("nan"), dtype=torch.bfloat16)
+    wide[:, :k] = x
+    buf = torch.full((m, n + 5), float("nan"), dtype=torch.bfloat16)
+    scale = scale_weight.reshape(1).expand(n).contiguous()
+    mod._gemv_kernel[(mod.triton.cdiv(n, mod.GEMV_BLOCK_N), 1)](
+        wide, weight, scale, b, buf, m, n, k, wide.stride(0), weight.stride(0), buf.stride(0),
+        HAS_BIAS=True, BLOCK_M=16, BLOCK_N=mod.GEMV_BLOCK_N, BLOCK_K=mod.GEMV_BLOCK_K,
+        K_STEPS=mod.triton.cdiv(k, mod.GEMV_BLOCK_K), INTERPRET=True,
+    )  # fmt: skip
+    assert buf[:, n:].isnan().all() and buf[:, :n].isfinite().all()
+    _assert_gemv_close(buf[:, :n], _gemv_exact(x, weight, scale_weight, b), x, weight,
+                       scale_weight, ulps_out=1)  # fmt: skip
+
+
+@needs_triton
+def test_gemv_lead_dims_and_strided_x(kernel_only):
+    """(B, L, K) input with a row stride wider than K: read in place, shaped (B, L, N)."""
+    x, weight, scale_weight, b = _linear_inputs((2, 3), 48, 64, torch.bfloat16, seed=21)
+    wide = torch.full((2, 3, 70), float("nan"), dtype=torch.bfloat16)
+    wide[..., 3:67] = x
+    out = fp8_gemv(wide[..., 3:67], weight, scale_weight, b)
+    assert out.shape == (2, 3, 48)
+    exact = _gemv_exact(x, weight, scale_weight, b)
+    _assert_gemv_close(out, exact, x, weight, scale_weight, ulps_out=1)
+
+
+@needs_triton
+def test_gemv_custom_op_registration():
+    x, weight, scale_weight, b = _linear_inputs((2,), 48, 64, torch.bfloat16, seed=22)
+    scale = scale_weight.reshape(1).expand(48).contiguous()
+    # Not test_schema: it mutates the inputs to catch undeclared writes, and CPU torch has
+    # no arithmetic on float8.
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    for bias in (b, None):
+        torch.library.opcheck(mod._fp8_gemv_op, (x, weight, scale, bias), test_utils=utils)
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"x": torch.float32}, "activation dtype torch.float32 is not bfloat16 or float16"),
+        ({"weight": torch.bfloat16}, "is not row-major float8_e4m3fn"),
+        ({"transposed": True}, "is not row-major float8_e4m3fn"),
+        ({"per_channel": True}, "scale_weight is not one value per tensor or a (1, N) row"),
+        ({"bias_row": True}, "bias shape (1, 48) is not (48,)"),
+        ({"grad": True}, "require grad"),
+    ],
+)
+def test_gemv_fallback_branches(fresh_log, change, reason):
+    """Each check of the dispatcher sends the call to the reference (bf16 compute on the
+    dequantized weight), logged once."""
+    x, weight, scale_weight, b = _linear_inputs((3,), 48, 64, torch.bfloat16, seed=23)
+    x = x.to(change.get("x", x.dtype))
+    if "weight" in change:
+        weight = (weight.float() * scale_weight).to(change["weight"])
+        scale_weight = torch.ones(())
+    if change.get("transposed"):
+        weight = weight.t().contiguous().t()
+    if change.get("per_channel"):
+        scale_weight = scale_weight.expand(48, 1) * torch.linspace(0.5, 2, 48)[:, None]
+    if change.get("bias_row"):
+        b = b.reshape(1, 48)
+    if change.get("grad"):
+        x = x.clone().requires_grad_()
+    for _ in range(2):
+        out = fp8_gemv(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    assert_logged_once(fresh_log, OP_GEMV, reason)
+
+
+def test_gemv_fallback_env_switch(monkeypatch, fresh_log):
+    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    x, weight, scale_weight, b = _linear_inputs((1,), 48, 64, torch.bfloat16, seed=24)
+    out = fp8_gemv(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    assert_logged_once(fresh_log, OP_GEMV, "QWEN_TURBO_DISABLE_KERNELS")
+
+
+def test_gemv_fallback_device(no_interpreter, fresh_log):
+    x, weight, scale_weight, b = _linear_inputs((1,), 48, 64, torch.bfloat16, seed=25)
+    out = fp8_gemv(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    assert_logged_once(fresh_log, OP_GEMV, "tensors on cpu")
+
+
+def test_gemv_fallback_triton_unavailable(triton_missing, fresh_log):
+    x, weight, scale_weight, b = _linear_inputs((1,), 48, 64, torch.bfloat16, seed=26)
+    out = fp8_gemv(x, weight, scale_weight, b)
+    torch.testing.assert_close(out, fp8_linear_reference(x, weight, scale_weight, b))
+    assert_logged_once(fresh_log, OP_GEMV, "Triton is not installed")
 
 
 # GPU: the kernel's rounding against float64, and the fp8 GEMMs at Qwen-Image's shapes.
@@ -498,6 +637,35 @@ def test_gpu_fp8_linear_large_rows(kernel_only):
 def test_gpu_cuda_graph_capture(kernel_only):
     x, weight, scale_weight, b = _linear_inputs((33,), 3072, 3072, torch.bfloat16, 15, "cuda")
     assert_cuda_graph_replays(lambda: fp8_linear(x, weight, scale_weight, b, True), x, 0)
+
+
+# (M, N, K): the modulation linear of Qwen-Image (one row, 6 x 3072 outputs), with CFG's
+# two rows, and a masked tail.
+GPU_GEMV_SHAPES = [(1, 18432, 3072), (2, 18432, 3072), (5, 1000, 333)]
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", GPU_GEMV_SHAPES)
+def test_gpu_gemv_matches_float64(kernel_only, dtype, shape):
+    """Half an ulp of the output plus float32 summation error, against float64: closer than
+    the reference, which rounds the dequantized weight to bf16 first."""
+    m, n, k = shape
+    x, weight, scale_weight, b = _linear_inputs((m,), n, k, dtype, seed=n + k, device="cuda")
+    x = x * 3 + 1  # a mean, as the timestep embedding has
+    out = fp8_gemv(x, weight, scale_weight, b)
+    exact = _gemv_exact(x, weight, scale_weight, b)
+    _assert_gemv_close(out, exact, x, weight, scale_weight, ulps_out=0.5)
+    reference = fp8_linear_reference(x, weight, scale_weight, b)
+    assert (out.double() - exact).norm() <= (reference.double() - exact).norm()
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+def test_gpu_gemv_cuda_graph_capture(kernel_only):
+    x, weight, scale_weight, b = _linear_inputs((2,), 18432, 3072, torch.bfloat16, 27, "cuda")
+    assert_cuda_graph_replays(lambda: fp8_gemv(x, weight, scale_weight, b), x, 1)
 
 
 @pytest.mark.parametrize(
