@@ -287,8 +287,8 @@ def fp8_gemv(
     stride along K, on x's device; scale_weight: one float32 value or a (1, N) row; bias:
     (N,) or None. Exact products and float32 sums, so it is closer to float32 math than the
     reference (`fp8_linear_reference`: the weight rounded to bf16 first), which it uses for
-    other inputs, without Triton, or under autograd. Any row count works; it pays off below
-    about 16 rows, where a GEMM would be memory-bound on the weight anyway.
+    other inputs, without Triton, or under autograd. Any row count works; it is meant for a
+    few (the loader sends it inputs of fewer than 16 rows).
     """
     reason = _gemv_why_not(x, weight, scale_weight, bias)
     if reason is not None:
