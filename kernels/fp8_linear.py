@@ -230,6 +230,7 @@ def fp8_linear(
     scale_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gelu_input: bool = False,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight * scale_weight, bias) as an fp8 GEMM with per-row activation scales.
 
@@ -238,8 +239,10 @@ def fp8_linear(
     contiguous float32 (1, N) row on x's device (`scale_b` of `torch._scaled_mm`: callers that
     run often keep it, saving a copy per call); bias: (N,) or None.
     With `gelu_input`, computes the linear of gelu_tanh(x) (the activation fused into the
-    quantization). Off an fp8-capable GPU (or for other dtypes/shapes, or under autograd) it
-    uses `fp8_linear_reference`: bf16 compute on the dequantized weight.
+    quantization). `x_fp8`, if given, is `quantize_rows` of x flattened to (M, K) (with the
+    same `gelu_input`), so that linears of one input quantize it once. Off an fp8-capable GPU
+    (or for other dtypes/shapes, or under autograd) it uses `fp8_linear_reference`: bf16
+    compute on the dequantized weight.
     """
     reason = _why_not(x, weight, scale_weight, bias)
     if reason is not None:
@@ -247,7 +250,9 @@ def fp8_linear(
         return fp8_linear_reference(x, weight, scale_weight, bias, gelu_input)
     n, k = weight.shape
     lead = x.shape[:-1]
-    xq, scale_a = quantize_rows(x.reshape(math.prod(lead), k), gelu_input)
+    if x_fp8 is None:
+        x_fp8 = quantize_rows(x.reshape(math.prod(lead), k), gelu_input)
+    xq, scale_a = x_fp8
     scale_b = scale_weight
     if scale_b.shape != (1, n):
         scale_b = scale_b.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(1, n)

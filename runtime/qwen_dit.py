@@ -244,6 +244,13 @@ def mlp(ff, x: torch.Tensor) -> torch.Tensor:
     return out(h)
 
 
+def project(x: torch.Tensor, linears) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears], through the ops' `linears_of_one_input` where they
+    have it (fp8 GEMMs quantize x once for all of them)."""
+    shared = getattr(linears[0], "linears_of_one_input", None)
+    return shared(x, linears) if shared is not None else [linear(x) for linear in linears]
+
+
 def joint_attention(
     attn, img: torch.Tensor, txt: torch.Tensor, freqs: torch.Tensor, attention: Attention,
     transformer_options: dict,
@@ -255,15 +262,18 @@ def joint_attention(
     q = img.new_empty(b, n, heads, attn.dim_head)
     k = torch.empty_like(q)
     streams = (
-        (txt, slice(0, n_txt), (attn.add_q_proj, attn.norm_added_q, q),
-         (attn.add_k_proj, attn.norm_added_k, k)),
-        (img, slice(n_txt, n), (attn.to_q, attn.norm_q, q), (attn.to_k, attn.norm_k, k)),
+        (txt, slice(0, n_txt), (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+         (attn.norm_added_q, attn.norm_added_k)),
+        (img, slice(n_txt, n), (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)),
     )  # fmt: skip
-    for x, rows, *projections in streams:
-        for linear, norm, out in projections:
-            h = linear(x).unflatten(-1, (heads, -1))
+    vs = []
+    for x, rows, linears, norms in streams:
+        hq, hk, hv = project(x, linears)
+        for h, norm, out in ((hq, norms[0], q), (hk, norms[1], k)):
+            h = h.unflatten(-1, (heads, -1))
             qk_norm_rope_into(h, norm.weight, freqs[:, rows], out[:, rows], norm.eps)
-    v = torch.cat([attn.add_v_proj(txt), attn.to_v(img)], dim=1).unflatten(-1, (heads, -1))
+        vs.append(hv)
+    v = torch.cat(vs, dim=1).unflatten(-1, (heads, -1))
     out = attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), heads, None,
         skip_reshape=True, transformer_options=transformer_options,

@@ -17,7 +17,14 @@ import folder_paths
 import torch
 from comfy_api.torch_helpers import set_torch_compile_wrapper
 
-from ..kernels.fp8_linear import FP8, fp8_gemm_reason, fp8_gemv, fp8_linear, gelu_tanh
+from ..kernels.fp8_linear import (
+    FP8,
+    fp8_gemm_reason,
+    fp8_gemv,
+    fp8_linear,
+    gelu_tanh,
+    quantize_rows,
+)
 from . import qwen_dit
 from .attention import attention_override
 
@@ -96,12 +103,23 @@ def fp8_ops(fast: bool):
                     self._scale_row_key = key
                 return self._scale_row_value
 
-            def _fp8(self, x, gelu_input=False):
+            def _fp8(self, x, gelu_input=False, x_fp8=None):
                 weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
                 scale = self._scale_row(x.device)
                 if x.numel() < GEMV_ROWS * x.shape[-1]:  # the modulation GEMVs
                     return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
-                return fp8_linear(x, weight, scale, bias, gelu_input)
+                return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
+
+            def linears_of_one_input(self, x, linears):
+                """[linear(x) for linear in linears] (this one among them), x quantized to
+                fp8 once for all of them (q, k and v of one stream)."""
+                if x.numel() < GEMV_ROWS * x.shape[-1] or not all(
+                    isinstance(linear, type(self)) and linear.weight.dtype == FP8
+                    for linear in linears
+                ):
+                    return [linear(x) for linear in linears]
+                x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
+                return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
 
             def forward_comfy_cast_weights(self, input):
                 if self.weight.dtype != FP8:  # a layer kept in bf16 (qwen_dit.in_blocks)

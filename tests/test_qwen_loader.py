@@ -368,3 +368,29 @@ def test_fp8_fast_linear_on_gpu():
             gemv = fp8_gemv(x, linear.weight, linear.scale_weight, linear.bias)
         assert out.isfinite().all() and _rel(out, want) < 5e-2
         assert (rows < qwen_loader.GEMV_ROWS) == torch.equal(out, gemv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_fast_linears_of_one_input_on_gpu():
+    """q, k and v of one stream quantize their input once: the same bits as three calls. A
+    GEMV-sized input, or a linear kept in bf16 among them, takes the plain calls."""
+    g = torch.Generator().manual_seed(1)
+    ops = qwen_loader.fp8_ops(fast=True)
+    linears = []
+    for i, n in enumerate((3072, 3072, 1024)):
+        w = torch.randn(n, 3072, generator=g) / 3072**0.5
+        sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16()}, quantize=lambda k, i=i: i < 2)
+        linear = ops.Linear(3072, n, bias=False, device="cuda")
+        linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()}, strict=False)
+        linear.weight.data = linear.weight.data.to(sd["l.weight"].dtype)
+        linears.append(linear)
+    assert [lin.weight.dtype for lin in linears] == [FP8, FP8, torch.bfloat16]
+    for rows, chosen in ((257, linears[:2]), (1, linears[:2]), (257, linears)):
+        x = torch.randn(1, rows, 3072, generator=g).to("cuda", torch.bfloat16)
+        with torch.inference_mode():
+            shared = chosen[0].linears_of_one_input(x, chosen)
+            each = [linear(x) for linear in chosen]
+        for a, b in zip(shared, each, strict=True):
+            assert a.isfinite().all()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
