@@ -263,8 +263,15 @@ def fp8_linear(
     return out.reshape(*lead, n)
 
 
+def _gemv_device_reason(device: torch.device) -> str | None:
+    """Why fp8_gemv's kernel cannot run on this device, or None."""
+    if device.type == "cuda" and (cap := torch.cuda.get_device_capability(device)) < (8, 9):
+        return f"compute capability {cap[0]}.{cap[1]}: Triton has no float8_e4m3fn below 8.9"
+    return None
+
+
 def _gemv_why_not(x, weight, scale_weight, bias) -> str | None:
-    reason = unsupported(x)
+    reason = unsupported(x) or _gemv_device_reason(x.device)
     if reason is not None:
         return reason
     if x.dtype not in IN_DTYPES:

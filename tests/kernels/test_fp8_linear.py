@@ -511,6 +511,13 @@ def test_gemv_fallback_branches(fresh_log, change, reason):
     assert_logged_once(fresh_log, OP_GEMV, reason)
 
 
+def test_gemv_fallback_old_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    reason = mod._gemv_device_reason(torch.device("cuda", 0))
+    assert reason == "compute capability 8.6: Triton has no float8_e4m3fn below 8.9"
+    assert mod._gemv_device_reason(torch.device("cpu")) is None  # the interpreter
+
+
 def test_gemv_fallback_env_switch(monkeypatch, fresh_log):
     monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
     x, weight, scale_weight, b = _linear_inputs((1,), 48, 64, torch.bfloat16, seed=24)
