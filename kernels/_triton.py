@@ -1,5 +1,7 @@
-"""Whether the pack's Triton kernels can run, decided once at import; never raises."""
+"""Whether the pack's Triton kernels can run, decided once at import; never raises. Also
+`custom_op`, the pack's way of registering its kernels' ops."""
 
+import functools
 import logging
 import os
 
@@ -63,3 +65,26 @@ def log_fallback_once(op: str, reason: str) -> None:
         return
     _logged.add((op, reason))
     log.info("%s: using the PyTorch reference: %s", op, reason)
+
+
+def custom_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """`torch.library.custom_op(name)`, called straight through outside torch.compile.
+
+    torch.compile traces the registered op (one node, its fake rule, no graph break). Eager
+    calls skip the dispatcher and its host time: the fused DiT's eager forward at 1328^2 is
+    bound by the host (`benchmarks/host_time.py`). The op is `.op` (for
+    `torch.library.opcheck`); `.register_fake` registers on it.
+    """
+
+    def register(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+        call.op = op
+        call.register_fake = op.register_fake
+        return call
+
+    return register

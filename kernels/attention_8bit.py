@@ -47,7 +47,7 @@ tensor cores, float32, other head sizes, autograd) run F.scaled_dot_product_atte
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
 
 OP = "attention_8bit"
 FP8 = torch.float8_e4m3fn
@@ -472,7 +472,7 @@ if HAS_TRITON:
             return out
         return _attend(_quantize(q, k, v, pv_fp8), out, config)
 
-    @torch.library.custom_op("qwen_turbo::attention_8bit", mutates_args=())
+    @custom_op("qwen_turbo::attention_8bit")
     def _attention_8bit_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool
     ) -> torch.Tensor:

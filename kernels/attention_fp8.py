@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ._triton import HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
 from .attention_8bit import attention_exact
 
 try:
@@ -291,7 +291,7 @@ def attention_fp8(
 
 if HAS_TRITON:
 
-    @torch.library.custom_op("qwen_turbo::attention_fp8", mutates_args=())
+    @custom_op("qwen_turbo::attention_fp8")
     def _attention_fp8_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool
     ) -> torch.Tensor:

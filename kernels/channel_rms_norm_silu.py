@@ -14,7 +14,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
+from ._triton import (
+    HAS_TRITON,
+    common_reason,
+    custom_op,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+)
 
 OP = "channel_rms_norm_silu"
 # Largest channel block one program holds (all of C at once when C <= this): the tile is
@@ -186,7 +194,7 @@ if HAS_TRITON:
         )
         return out
 
-    @torch.library.custom_op("qwen_turbo::channel_rms_norm_silu", mutates_args=())
+    @custom_op("qwen_turbo::channel_rms_norm_silu")
     def _channel_rms_norm_silu_op(
         x: torch.Tensor,
         gamma: torch.Tensor,

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
 
 OP = "fp8_linear"
 OP_QUANT = "quantize_rows"
@@ -93,7 +93,7 @@ if HAS_TRITON:
         tl.store(q_ptr + row * sq_m + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    @torch.library.custom_op("qwen_turbo::quantize_rows", mutates_args=())
+    @custom_op("qwen_turbo::quantize_rows")
     def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x.shape
         q = torch.empty((m, k), dtype=FP8, device=x.device)
@@ -146,7 +146,7 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_m[:, None] * so_m + offs_n[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
-    @torch.library.custom_op("qwen_turbo::fp8_gemv", mutates_args=())
+    @custom_op("qwen_turbo::fp8_gemv")
     def _fp8_gemv_op(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:

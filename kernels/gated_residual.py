@@ -20,7 +20,15 @@ The first line is two kernels (gate * y, then + x) that round twice; the last tw
 
 import torch
 
-from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
+from ._triton import (
+    HAS_TRITON,
+    common_reason,
+    custom_op,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+)
 from .layernorm_modulate import _why_not as _why_not_layernorm
 from .layernorm_modulate import layernorm_modulate_reference
 
@@ -231,7 +239,7 @@ if HAS_TRITON:
     def _empty(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    @torch.library.custom_op("qwen_turbo::gated_residual", mutates_args=())
+    @custom_op("qwen_turbo::gated_residual")
     def _gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return _launch(_unit_stride(x), _unit_stride(y), _unit_stride(gate), _empty(x))
 
@@ -239,7 +247,7 @@ if HAS_TRITON:
     def _(x, y, gate):
         return _empty(x)
 
-    @torch.library.custom_op("qwen_turbo::gated_residual_layernorm_modulate", mutates_args=())
+    @custom_op("qwen_turbo::gated_residual_layernorm_modulate")
     def _gated_residual_layernorm_modulate_op(
         x: torch.Tensor,
         y: torch.Tensor,

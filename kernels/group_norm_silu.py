@@ -23,7 +23,15 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
+from ._triton import (
+    HAS_TRITON,
+    common_reason,
+    custom_op,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+)
 
 OP = "group_norm_silu"
 
@@ -292,7 +300,7 @@ if HAS_TRITON:
         )
         return out
 
-    @torch.library.custom_op("qwen_turbo::group_norm_silu", mutates_args=())
+    @custom_op("qwen_turbo::group_norm_silu")
     def _group_norm_silu_op(
         x: torch.Tensor,
         num_groups: int,

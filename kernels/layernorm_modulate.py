@@ -15,7 +15,15 @@ the result is rounded to x's dtype once.
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, common_reason, grad_reason, log_fallback_once, tl, triton
+from ._triton import (
+    HAS_TRITON,
+    common_reason,
+    custom_op,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+)
 
 OP = "layernorm_modulate"
 # Largest row one program holds in registers (Qwen-Image: D = 3072, a 4096-wide block). Past
@@ -155,7 +163,7 @@ if HAS_TRITON:
         """t itself when its last dim is contiguous (the kernel takes any other strides)."""
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    @torch.library.custom_op("qwen_turbo::layernorm_modulate", mutates_args=())
+    @custom_op("qwen_turbo::layernorm_modulate")
     def _layernorm_modulate_op(
         x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
     ) -> torch.Tensor:

@@ -22,7 +22,16 @@ loads all four entries, so any 2x2 table gives ComfyUI's result.
 import torch
 import torch.nn.functional as F
 
-from ._triton import DTYPES, HAS_TRITON, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import (
+    DTYPES,
+    HAS_TRITON,
+    custom_op,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+    unsupported,
+)
 
 OP = "qk_norm_rope"
 _LAYOUTS = ("bhld", "blhd")
@@ -201,7 +210,7 @@ if HAS_TRITON:
         )
         return out
 
-    @torch.library.custom_op("qwen_turbo::qk_norm_rope", mutates_args=())
+    @custom_op("qwen_turbo::qk_norm_rope")
     def _qk_norm_rope_op(
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -220,7 +229,7 @@ if HAS_TRITON:
     def _(x, weight, freqs, eps, out_layout):
         return x.new_empty(_out_shape(x, out_layout))
 
-    @torch.library.custom_op("qwen_turbo::qk_norm_rope_into", mutates_args=("out",))
+    @custom_op("qwen_turbo::qk_norm_rope_into", mutates_args=("out",))
     def _qk_norm_rope_into_op(
         x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, out: torch.Tensor
     ) -> None:

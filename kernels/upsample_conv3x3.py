@@ -13,7 +13,7 @@ The phase convolution runs through `F.conv2d` (cuDNN on GPU), so this op needs n
 import torch
 import torch.nn.functional as F
 
-from ._triton import disabled, log_fallback_once
+from ._triton import custom_op, disabled, log_fallback_once
 
 # Row (and column) combination of the 3x3 taps into 2x2 taps, for phase 0 and phase 1.
 _COMBINE = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
@@ -51,7 +51,7 @@ def _upsample_conv3x3_phases(x, weight4, bias):
     return out
 
 
-@torch.library.custom_op("qwen_turbo::upsample_conv3x3", mutates_args=())
+@custom_op("qwen_turbo::upsample_conv3x3")
 def _upsample_conv3x3_op(
     x: torch.Tensor, weight4: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -240,7 +240,7 @@ def test_zero_blocks_and_channels(kernel_only):
 def test_custom_op_registration():
     q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=11)
     for pv_fp8 in (True, False):
-        torch.library.opcheck(mod._attention_8bit_op, (q, k, v, pv_fp8))
+        torch.library.opcheck(mod._attention_8bit_op.op, (q, k, v, pv_fp8))
 
 
 @needs_triton

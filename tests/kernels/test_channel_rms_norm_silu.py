@@ -161,8 +161,8 @@ def test_empty_input(kernel_only):
 def test_custom_op_registration():
     x, gamma, b = _inputs((1, 96, 3, 5), torch.float32, seed=4)
     args = (x, gamma.reshape(-1), b.reshape(-1), True, 1e-12)
-    torch.library.opcheck(mod._channel_rms_norm_silu_op, args)
-    torch.library.opcheck(mod._channel_rms_norm_silu_op, (*args[:2], None, False, 1e-12))
+    torch.library.opcheck(mod._channel_rms_norm_silu_op.op, args)
+    torch.library.opcheck(mod._channel_rms_norm_silu_op.op, (*args[:2], None, False, 1e-12))
 
 
 @needs_triton

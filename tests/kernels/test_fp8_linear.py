@@ -211,7 +211,7 @@ def test_empty_input(kernel_only):
 def test_custom_op_registration():
     x, _, _ = _fp8_grid_rows(3, 64, torch.bfloat16, seed=7)
     for gelu in (False, True):
-        torch.library.opcheck(mod._quantize_rows_op, (x, gelu))
+        torch.library.opcheck(mod._quantize_rows_op.op, (x, gelu))
 
 
 @interpreter_exp_overflow
@@ -475,7 +475,7 @@ def test_gemv_custom_op_registration():
     # no arithmetic on float8.
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     for bias in (b, None):
-        torch.library.opcheck(mod._fp8_gemv_op, (x, weight, scale, bias), test_utils=utils)
+        torch.library.opcheck(mod._fp8_gemv_op.op, (x, weight, scale, bias), test_utils=utils)
 
 
 @pytest.mark.parametrize(

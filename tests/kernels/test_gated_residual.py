@@ -191,10 +191,10 @@ def test_empty_input(kernel_only):
 @needs_triton
 def test_custom_op_registration():
     x, y, gate, shift, scale = _inputs((2, 3, 64), torch.float32, seed=8, modulation=True)
-    torch.library.opcheck(mod._gated_residual_op, (x, y, gate))
+    torch.library.opcheck(mod._gated_residual_op.op, (x, y, gate))
     yt = y.transpose(1, 2).contiguous().transpose(1, 2)
-    torch.library.opcheck(mod._gated_residual_op, (x, yt, gate))
-    fused = mod._gated_residual_layernorm_modulate_op
+    torch.library.opcheck(mod._gated_residual_op.op, (x, yt, gate))
+    fused = mod._gated_residual_layernorm_modulate_op.op
     torch.library.opcheck(fused, (x, yt, gate, shift, scale, 1e-6))
 
 

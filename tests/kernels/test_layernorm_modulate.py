@@ -162,9 +162,9 @@ def test_empty_input(kernel_only):
 @needs_triton
 def test_custom_op_registration():
     x, shift, scale = _inputs((2, 3, 64), torch.float32, seed=8)
-    torch.library.opcheck(mod._layernorm_modulate_op, (x, shift, scale, 1e-6))
+    torch.library.opcheck(mod._layernorm_modulate_op.op, (x, shift, scale, 1e-6))
     xt = x.transpose(1, 2).contiguous().transpose(1, 2)
-    torch.library.opcheck(mod._layernorm_modulate_op, (xt, shift, scale, 1e-6))
+    torch.library.opcheck(mod._layernorm_modulate_op.op, (xt, shift, scale, 1e-6))
 
 
 @needs_triton

@@ -256,7 +256,7 @@ def test_bad_layout_is_an_error():
 def test_custom_op_registration():
     x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=14)
     for layout in LAYOUTS:
-        torch.library.opcheck(mod._qk_norm_rope_op, (x, weight, freqs, 1e-6, layout))
+        torch.library.opcheck(mod._qk_norm_rope_op.op, (x, weight, freqs, 1e-6, layout))
 
 
 @needs_triton
@@ -615,7 +615,7 @@ def test_into_fallback_device(no_interpreter, fresh_log):
 def test_into_custom_op_registration():
     x, weight, freqs = _inputs((1, 1, 2, 64), torch.float32, seed=25)
     out = torch.empty_like(x)
-    torch.library.opcheck(mod._qk_norm_rope_into_op, (x, weight, freqs, 1e-6, out))
+    torch.library.opcheck(mod._qk_norm_rope_into_op.op, (x, weight, freqs, 1e-6, out))
 
 
 @needs_triton
