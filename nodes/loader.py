@@ -32,9 +32,7 @@ class Loader(io.ComfyNode):
                     tooltip="auto: fp8 storage for fp8 files, else bf16. bf16: 38 GiB of "
                     "weights, the reference. fp8_e4m3fn: half the VRAM, bf16 compute, small "
                     "error. fp8_e4m3fn_fast: fp8 GEMMs with per-row activation scales (GPUs "
-                    "with fp8 tensor cores: Ada, Hopper, Blackwell), fastest, error about 4%; "
-                    "at 1328^2 and below its GPU work outruns the Python issuing it, so "
-                    "sample with the CUDA Graph Sampler.",
+                    "with fp8 tensor cores: Ada, Hopper, Blackwell), fastest, error about 4%.",
                 ),
                 io.Combo.Input(
                     "attention", options=qwen_loader.ATTENTION, default="auto",
