@@ -91,7 +91,7 @@ def main():
             out = out.float()
             if variant == a.variants[0]:
                 ref[size] = out
-            err = _rel(out, ref[size])
+            err = bench.rel_l2(out, ref[size])
             rows.append({
                 "variant": variant, "size": size, "ms": round(ms, 1),
                 "vs_first": None, "rel_l2": err, "finite": bool(out.isfinite().all()),
@@ -101,7 +101,7 @@ def main():
             if a.graph:
                 graph_ms, graph_out = bench.graph_timed(run, a.repeats)
                 rows[-1].update(
-                    graph_ms=round(graph_ms, 1), graph_rel_l2=_rel(graph_out, ref[size])
+                    graph_ms=round(graph_ms, 1), graph_rel_l2=bench.rel_l2(graph_out, ref[size])
                 )
                 del graph_out
         del patcher, out
@@ -129,10 +129,6 @@ def main():
     if a.sample_steps:
         result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps, a.sample_variant)
     print(json.dumps(result))
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b).norm() / b.norm()).item()
 
 
 def sample(sd, size, steps, variant):

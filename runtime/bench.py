@@ -117,7 +117,8 @@ def graph_timed(fn, repeats: int = 3):
     return sorted(times)[len(times) // 2], out
 
 
-def _rel(a, b) -> float:
+def rel_l2(a, b) -> float:
+    """Relative L2 error of a against b, in float32."""
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm()).item()
 
@@ -153,7 +154,7 @@ def run(size: int, layers: int) -> list[dict]:
     ms_pack, out = timed(forward_fn(pack, size))
     rows.append({"what": f"DiT forward, {layers} layers", "stock_ms": ms_stock,
                  "pack_ms": ms_pack, "pack": f"Optimized Loader {weights}, fused, sdpa",
-                 "rel_l2": _rel(out, ref)})  # fmt: skip
+                 "rel_l2": rel_l2(out, ref)})  # fmt: skip
     del pack, sd
     mm.unload_all_models()
 
@@ -184,7 +185,7 @@ def run(size: int, layers: int) -> list[dict]:
     (ms_p, img_p), gib_p = results["pack"]
     rows.append({"what": "VAE decode", "stock_ms": ms_s, "pack_ms": ms_p,
                  "pack": "Fused GroupNorm Patch + Texture Upsample + VAE Tiling",
-                 "rel_l2": _rel(img_p, img_s),
+                 "rel_l2": rel_l2(img_p, img_s),
                  "stock_peak_gib": gib_s, "pack_peak_gib": gib_p})  # fmt: skip
     return rows
 

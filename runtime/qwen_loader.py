@@ -84,6 +84,11 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], qwen_dit.DiTCo
     return sd, qwen_dit.read_config(sd, rope_axes)
 
 
+def _gemv_sized(x: torch.Tensor) -> bool:
+    """Whether x has fewer than GEMV_ROWS rows."""
+    return x.numel() < GEMV_ROWS * x.shape[-1]
+
+
 def fp8_ops(fast: bool):
     """ComfyUI's scaled-fp8 ops (fp8 storage, cast per layer, LoRA through convert/set_weight);
     with `fast`, Linear runs fp8 GEMMs with per-row activation scales instead."""
@@ -106,14 +111,14 @@ def fp8_ops(fast: bool):
             def _fp8(self, x, gelu_input=False, x_fp8=None):
                 weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
                 scale = self._scale_row(x.device)
-                if x.numel() < GEMV_ROWS * x.shape[-1]:  # the modulation GEMVs
+                if _gemv_sized(x):  # the modulation linears
                     return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
                 return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
 
             def linears_of_one_input(self, x, linears):
                 """[linear(x) for linear in linears] (this one among them), x quantized to
                 fp8 once for all of them (q, k and v of one stream)."""
-                if x.numel() < GEMV_ROWS * x.shape[-1] or not all(
+                if _gemv_sized(x) or not all(
                     isinstance(linear, type(self)) and linear.weight.dtype == FP8
                     for linear in linears
                 ):
