@@ -64,6 +64,8 @@ class Loader(io.ComfyNode):
             with report.measured(cls) as extra:
                 model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
                 extra["weights"] = model.qwen_turbo_weights
+                if model.qwen_turbo_notes:
+                    extra["note"] = "; ".join(model.qwen_turbo_notes)
         except qwen_dit.NotQwenImageDiT as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

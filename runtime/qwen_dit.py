@@ -196,6 +196,52 @@ def to_scaled_fp8(sd: dict[str, torch.Tensor], quantize=in_blocks) -> dict[str, 
     return out
 
 
+def from_mixed(sd: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
+    """A mixed-precision checkpoint (newer ComfyUI's `fp8mixed` files: per quantized layer a
+    `comfy_quant` JSON entry or a line in the file's `_quantization_metadata`, `weight_scale`,
+    optional `input_scale`) in the scaled-fp8 layout (`scale_weight`) the rest of this module
+    reads; other checkpoints are returned as they are. Raises NotQwenImageDiT for
+    quantization formats other than float8_e4m3fn."""
+    layers = {
+        k[: -len(".comfy_quant")]: json.loads(bytes(v.tolist()).decode())
+        for k, v in sd.items() if k.endswith(".comfy_quant")
+    }  # fmt: skip
+    if metadata and "_quantization_metadata" in metadata:
+        layers.update(json.loads(metadata["_quantization_metadata"]).get("layers", {}))
+    if not layers:
+        return sd
+    for layer, conf in layers.items():
+        fmt = conf.get("format")
+        if fmt != "float8_e4m3fn":
+            raise NotQwenImageDiT(
+                f"{layer} is quantized as {fmt!r}; the Optimized Loader reads float8_e4m3fn "
+                "checkpoints (load this one with ComfyUI's UNETLoader)"
+            )
+    out = {}
+    for k, t in sd.items():
+        if k.endswith((".comfy_quant", ".input_scale")):
+            continue
+        if k.endswith(".weight_scale"):
+            k = k[: -len("weight_scale")] + "scale_weight"
+        out[k] = t
+    return out
+
+
+def to_mixed_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The scaled-fp8 layout (`to_scaled_fp8`) as newer ComfyUI's mixed-precision ops load
+    it: fp8 weights with `weight_scale` and a `comfy_quant` entry, the others plain."""
+    conf = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    out = {}
+    for k, t in sd.items():
+        if not k.endswith(".scale_weight"):
+            out[k] = t
+        elif sd[k[: -len("scale_weight")] + "weight"].dtype == FP8:
+            layer = k[: -len(".scale_weight")]
+            out[layer + ".weight_scale"] = t.float()
+            out[layer + ".comfy_quant"] = conf.clone()
+    return out
+
+
 def dequantize(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """fp8 weights (with any `scale_weight`) back to `dtype`; other floats cast to `dtype`."""
     out = {}
@@ -281,22 +327,56 @@ def joint_attention(
     return attn.to_out[0](out[:, n_txt:]), attn.to_add_out(out[:, :n_txt])
 
 
-def fused_block_forward(block, attention: Attention) -> Callable:
+def rope_table(freqs: torch.Tensor, n: int) -> torch.Tensor:
+    """ComfyUI's RoPE table as (B or 1, L, 1, Dh/2, 2, 2), the layout the kernels take.
+
+    v0.3.64 passes it so; newer hosts pass (B or 1, 1, L, Dh/2, 2, 2), made a view here."""
+    return freqs if freqs.shape[1] == n else freqs.transpose(1, 2)
+
+
+def why_host_block(mask, kwargs: dict, transformer_options: dict) -> str | None:
+    """Why a block call needs the host's own forward, or None when the fused one computes it.
+
+    The fused block handles text-to-image calls and reference latents with the "index"
+    method; a text mask, per-token timestep modulation (`timestep_zero_index`, Edit-2511's
+    reference method), attention patches and any argument a newer host adds go to the host."""
+    if mask is not None:
+        return "a text attention mask"
+    extra = sorted(k for k, v in kwargs.items() if v is not None)
+    if extra:
+        return f"block argument {extra[0]!r}"
+    if transformer_options.get("patches", {}).get("attn1_patch"):
+        return "attn1_patch model patches"
+    return None
+
+
+def fused_block_forward(block, attention: Attention, on_host: Callable | None = None) -> Callable:
     """A `forward` for ComfyUI's QwenImageTransformerBlock with the fused kernels.
 
     Same signature and result as the block's own forward (within rounding: each fused op
     rounds once where ComfyUI rounds per op). `attention(q, k, v, heads, mask, skip_reshape=
     True, transformer_options=...)` takes (B, H, L, Dh) views and returns (B, L, H * Dh):
-    ComfyUI's `optimized_attention_masked`, so attention overrides still apply.
+    ComfyUI's `optimized_attention_masked`, so attention overrides still apply. Calls it
+    cannot compute (`why_host_block`) run the block's own forward; `on_host(reason)` is told.
     """
     eps = block.img_norm1.eps
 
     def forward(
         hidden_states, encoder_hidden_states, encoder_hidden_states_mask=None, temb=None,
-        image_rotary_emb=None, transformer_options=None,
+        image_rotary_emb=None, transformer_options=None, **kwargs,
     ):  # fmt: skip
         transformer_options = {} if transformer_options is None else transformer_options
+        why = why_host_block(encoder_hidden_states_mask, kwargs, transformer_options)
+        if why is not None:
+            if on_host is not None:
+                on_host(why)
+            return type(block).forward(
+                block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                temb=temb, image_rotary_emb=image_rotary_emb,
+                transformer_options=transformer_options, **kwargs,
+            )  # fmt: skip
         img, txt = hidden_states, encoder_hidden_states
+        freqs = rope_table(image_rotary_emb, img.shape[1] + txt.shape[1])
         # (B, 6D) each: shift, scale, gate of the attention half, then of the MLP half.
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = block.img_mod(temb).chunk(6, -1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = block.txt_mod(temb).chunk(6, -1)
@@ -304,7 +384,7 @@ def fused_block_forward(block, attention: Attention) -> Callable:
             block.attn,
             layernorm_modulate(img, i_shift1, i_scale1, eps),
             layernorm_modulate(txt, t_shift1, t_scale1, eps),
-            image_rotary_emb, attention, transformer_options,
+            freqs, attention, transformer_options,
         )  # fmt: skip
         img, img_x = gated_residual_layernorm_modulate(
             img, img_attn, i_gate1, i_shift2, i_scale2, eps

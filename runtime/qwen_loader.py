@@ -5,6 +5,7 @@ This module imports ComfyUI; the math it uses is in `qwen_dit`, `attention` and 
 """
 
 import logging
+import weakref
 from pathlib import Path
 
 import comfy.ldm.qwen_image.model as qwen_model
@@ -15,7 +16,6 @@ import comfy.supported_models
 import comfy.utils
 import folder_paths
 import torch
-from comfy_api.torch_helpers import set_torch_compile_wrapper
 
 from ..kernels.fp8_linear import (
     FP8,
@@ -25,7 +25,7 @@ from ..kernels.fp8_linear import (
     gelu_tanh,
     quantize_rows,
 )
-from . import qwen_dit
+from . import host, log_once, qwen_dit
 from .attention import attention_override
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,13 @@ def resolve(name: str) -> Path:
 
 def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], qwen_dit.DiTConfig]:
     """The DiT state dict (ComfyUI key names) and its config, from a file or a diffusers folder."""
-    rope_axes = None
+    rope_axes, metadata = None, None
     if path.is_dir():
         sd, config = qwen_dit.load_diffusers_folder(qwen_dit.diffusers_folder(path))
         rope_axes = config.get("axes_dims_rope")
     else:
-        sd = comfy.utils.load_torch_file(str(path))
-    sd = qwen_dit.strip_prefix(sd)
+        sd, metadata = comfy.utils.load_torch_file(str(path), return_metadata=True)
+    sd = qwen_dit.from_mixed(qwen_dit.strip_prefix(sd), metadata)
     return sd, qwen_dit.read_config(sd, rope_axes)
 
 
@@ -89,53 +89,135 @@ def _gemv_sized(x: torch.Tensor) -> bool:
     return x.numel() < GEMV_ROWS * x.shape[-1]
 
 
-def fp8_ops(fast: bool):
-    """ComfyUI's scaled-fp8 ops (fp8 storage, cast per layer, LoRA through convert/set_weight);
-    with `fast`, Linear runs fp8 GEMMs with per-row activation scales instead."""
+class _Fp8Gemm:
+    """fp8 GEMMs with per-row activation scales for a ComfyUI fp8 Linear. The host's ops
+    class says through `_fp8_ready(x)` whether it can take x (else its own forward runs), and
+    through `_fp8_weight(x)` where the fp8 weight, its scale and the bias are."""
+
+    def _scale_row(self, scale: torch.Tensor, device) -> torch.Tensor:
+        """The per-tensor scale as the (1, N) float32 row _scaled_mm takes, made once per
+        weight (a new Parameter after a LoRA patch or an unpatch) instead of per call."""
+        key = (weakref.ref(self.weight), device)
+        cached = getattr(self, "_scale_row_cache", None)
+        if cached is None or cached[0][0]() is not self.weight or cached[0][1] != device:
+            row = scale.to(device=device, dtype=torch.float32).reshape(1, 1)
+            cached = (key, row.expand(1, self.out_features).clone())
+            self._scale_row_cache = cached
+        return cached[1]
+
+    def _fp8(self, x, gelu_input=False, x_fp8=None):
+        weight, scale, bias = self._fp8_weight(x)
+        scale = self._scale_row(scale, x.device)
+        if _gemv_sized(x):  # the modulation linears
+            return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
+        return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
+
+    def linears_of_one_input(self, x, linears):
+        """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
+        for all of them (q, k and v of one stream)."""
+        if _gemv_sized(x) or not all(
+            isinstance(linear, _Fp8Gemm) and linear._fp8_ready(x) for linear in linears
+        ):
+            return [linear(x) for linear in linears]
+        x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
+
+    def linear_of_gelu(self, x):
+        """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
+        if not self._fp8_ready(x):
+            return self(gelu_tanh(x))
+        return self._fp8(x, gelu_input=True)
+
+
+def _scaled_fp8_ops(fast: bool):
+    """ComfyUI v0.3's scaled-fp8 ops (fp8 storage with `scale_weight`, cast per layer, LoRA
+    through convert/set_weight); with `fast`, fp8 GEMMs."""
     base = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
     if not fast:
         return base
 
     class fp8_fast_ops(base):
-        class Linear(base.Linear):
-            def _scale_row(self, device):
-                """scale_weight as the (1, N) float32 row _scaled_mm takes, made once per
-                device instead of on every call."""
-                key = (self.scale_weight.data_ptr(), device)
-                if getattr(self, "_scale_row_key", None) != key:
-                    s = self.scale_weight.to(device=device, dtype=torch.float32)
-                    self._scale_row_value = s.reshape(1, 1).expand(1, self.out_features).clone()
-                    self._scale_row_key = key
-                return self._scale_row_value
+        class Linear(_Fp8Gemm, base.Linear):
+            def _fp8_ready(self, x):
+                return self.weight.dtype == FP8  # else a layer kept in bf16 (in_blocks)
 
-            def _fp8(self, x, gelu_input=False, x_fp8=None):
+            def _fp8_weight(self, x):
                 weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
-                scale = self._scale_row(x.device)
-                if _gemv_sized(x):  # the modulation linears
-                    return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
-                return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
-
-            def linears_of_one_input(self, x, linears):
-                """[linear(x) for linear in linears] (this one among them), x quantized to
-                fp8 once for all of them (q, k and v of one stream)."""
-                if _gemv_sized(x) or not all(
-                    isinstance(linear, type(self)) and linear.weight.dtype == FP8
-                    for linear in linears
-                ):
-                    return [linear(x) for linear in linears]
-                x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
-                return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
+                return weight, self.scale_weight, bias
 
             def forward_comfy_cast_weights(self, input):
-                if self.weight.dtype != FP8:  # a layer kept in bf16 (qwen_dit.in_blocks)
+                if not self._fp8_ready(input):
                     return super().forward_comfy_cast_weights(input)
                 return self._fp8(input)
 
-            def linear_of_gelu(self, x):
-                """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
-                return self._fp8(x, gelu_input=True)
-
     return fp8_fast_ops
+
+
+def _mixed_fp8_ops(fast: bool, compute_dtype: torch.dtype):
+    """Newer ComfyUI's mixed-precision ops: fp8 weights as its quantized tensors (the
+    layout of `fp8mixed` checkpoints; LoRAs requantize them), bf16 compute; with `fast`, the
+    pack's fp8 GEMMs on the quantized weights."""
+    base = comfy.ops.mixed_precision_ops({"mixed_ops": True}, compute_dtype, full_precision_mm=True)
+
+    class Linear(base.Linear):
+        def _apply(self, fn, recurse=True):
+            # Under inference_mode (every node runs in it) the host re-wraps a moved quantized
+            # weight in a Parameter, which fails for an inference tensor; outside it, the
+            # host clones inference tensors first.
+            with torch.inference_mode(False):
+                return super()._apply(fn, recurse)
+
+    class FastLinear(_Fp8Gemm, Linear):
+        def _fp8_ready(self, x):
+            """Resident fp8 weights with nothing patched on the fly; else ComfyUI's own
+            forward (its offloading, its dequantized matmul)."""
+            qdata = getattr(self.weight, "_qdata", None)
+            return not (
+                qdata is None or qdata.dtype != FP8 or qdata.device != x.device
+                or self.weight_function or self.bias_function
+                or getattr(self, "comfy_force_cast_weights", False)
+            )  # fmt: skip
+
+        def _fp8_weight(self, x):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return self.weight._qdata, self.weight._params.scale, bias
+
+        def forward(self, input, *args, **kwargs):
+            if not self._fp8_ready(input):
+                return super().forward(input, *args, **kwargs)
+            return self._fp8(input)
+
+    class ops(base):
+        pass
+
+    ops.Linear = FastLinear if fast else Linear
+    return ops
+
+
+def mixed_host() -> bool:
+    """Whether the host loads fp8 weights through mixed-precision ops (newer than v0.3)."""
+    return hasattr(comfy.ops, "mixed_precision_ops")
+
+
+def fp8_ops(fast: bool, compute_dtype: torch.dtype = torch.bfloat16):
+    """The host's fp8 ops, with the pack's fp8 GEMMs where `fast`."""
+    return _mixed_fp8_ops(fast, compute_dtype) if mixed_host() else _scaled_fp8_ops(fast)
+
+
+def fp8_state_dict(sd: dict[str, torch.Tensor], quantize=qwen_dit.in_blocks) -> dict:
+    """`sd` with its Linear weights in the host's fp8 layout (`qwen_dit.to_scaled_fp8`)."""
+    sd = qwen_dit.to_scaled_fp8(sd, quantize)
+    return qwen_dit.to_mixed_fp8(sd) if mixed_host() else sd
+
+
+def fp8_parts(linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp8 weight, float32 scale) of a Linear holding fp8 weights on either host, else None."""
+    w = linear.weight
+    if getattr(w, "_qdata", None) is not None and w._qdata.dtype == FP8:
+        return w._qdata, w._params.scale
+    if w.dtype == FP8:
+        return w, linear.scale_weight
+    return None
 
 
 def _storage(weight_dtype: str, sd, load_device) -> str:
@@ -154,10 +236,13 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     offload_device = mm.unet_offload_device()
     model_config = comfy.supported_models.QwenImage(config.unet_config())
     mode = _storage(weight_dtype, sd, load_device)
+    fast = mode == "fp8_e4m3fn_fast"
+    mixed = mode.startswith("fp8") and mixed_host()
     if mode.startswith("fp8"):
-        sd = qwen_dit.to_scaled_fp8(sd)
-        unet_dtype = FP8
-        model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
+        sd = fp8_state_dict(sd)
+        # v0.3 builds the model in fp8; mixed-precision ops build it in bf16 and hold the
+        # fp8 weights as quantized tensors.
+        unet_dtype = torch.bfloat16 if mixed else FP8
     else:
         if qwen_dit.has_fp8_weights(sd):
             sd = qwen_dit.dequantize(sd, torch.bfloat16)
@@ -166,14 +251,16 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
             params = qwen_dit.count_params(sd)
             unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)
     manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
+    if mode.startswith("fp8"):
+        model_config.custom_operations = fp8_ops(fast, manual_cast or unet_dtype)
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
-    # ComfyUI builds every parameter in fp8 here, biases and norm gains too (1.1 rounds to
+    # v0.3 builds every parameter in fp8 here, biases and norm gains too (1.1 rounds to
     # 1.125). Everything but the fp8 weights and their scales is put back in bf16 after the
     # load (which empties `sd`).
     kept = {}
-    if mode.startswith("fp8"):
+    if mode.startswith("fp8") and not mixed:
         kept = {
             k: t for k, t in sd.items()
             if t.is_floating_point() and t.dtype != FP8 and not k.endswith("scale_weight")
@@ -186,10 +273,16 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     return patcher
 
 
+def _host_block(reason: str) -> None:
+    log_once(log, logging.INFO, f"Optimized Loader: fused block not used for {reason}")
+
+
 def add_fused_blocks(patcher) -> None:
     """Object patches: each transformer block's forward runs the fused kernels."""
     for i, block in enumerate(patcher.model.diffusion_model.transformer_blocks):
-        forward = qwen_dit.fused_block_forward(block, qwen_model.optimized_attention_masked)
+        forward = qwen_dit.fused_block_forward(
+            block, qwen_model.optimized_attention_masked, _host_block
+        )
         patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
 
 
@@ -201,23 +294,40 @@ def set_attention(patcher, attention: str) -> None:
 
 def compile_blocks(patcher) -> None:
     """Regional torch.compile: each block compiled on its own (one graph, reused by all)."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
     n = len(patcher.model.diffusion_model.transformer_blocks)
     keys = [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
     set_torch_compile_wrapper(patcher, backend="inductor", keys=keys)
 
 
+def _host_allows(feature: str, setting: str, notes: list[str]) -> bool:
+    """Whether this host has what `feature` needs; else a logged note that `setting` is off."""
+    why = host.missing(feature)
+    if why is not None:
+        notes.append(f"{setting} off: {why}")
+        log_once(log, logging.WARNING, f"Optimized Loader: {notes[-1]}")
+    return why is None
+
+
 def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off"):
-    """The Optimized Loader: a MODEL that every stock node accepts."""
+    """The Optimized Loader: a MODEL that every stock node accepts. Settings this host cannot
+    run are turned off; `patcher.qwen_turbo_notes` says which and why."""
     sd, config = read_checkpoint(resolve(name))
+    notes: list[str] = []
+    if weight_dtype.startswith("fp8") and not _host_allows("fp8_weights", weight_dtype, notes):
+        weight_dtype = "bf16"
     patcher = build(sd, config, weight_dtype)
     log.info(
         "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s",
         name, config.num_layers, config.width, config.num_attention_heads,
         config.attention_head_dim, config.joint_attention_dim, patcher.qwen_turbo_weights,
     )  # fmt: skip
-    if fused_kernels:
+    if fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes):
         add_fused_blocks(patcher)
-    set_attention(patcher, attention)
-    if compile == "regional":
+    if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
+        set_attention(patcher, attention)
+    if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
         compile_blocks(patcher)
+    patcher.qwen_turbo_notes = notes
     return patcher

@@ -1,0 +1,119 @@
+"""The ComfyUI internals the pack reaches into, checked when the pack loads.
+
+Each feature lists the host modules, attributes and signatures it relies on. Where one is
+missing (a newer ComfyUI moved it), `check` names it, the feature is turned off with a logged
+reason and a note on the node's badge, and the rest of the pack keeps working.
+"""
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def _resolve(module: str, path: str):
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def attr(module: str, path: str) -> Callable[[], str | None]:
+    """A check that `module.path` exists."""
+
+    def check():
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            return f"{module}.{path} is missing"
+        return None
+
+    check.internal = (module, path)
+    return check
+
+
+def params(module: str, path: str, *names: str) -> Callable[[], str | None]:
+    """A check that the callable `module.path` takes the parameters `names`."""
+
+    def check():
+        try:
+            fn = _resolve(module, path)
+            taken = inspect.signature(fn).parameters
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return f"{module}.{path} is missing"
+        absent = [n for n in names if n not in taken]
+        return f"{module}.{path} takes no {absent[0]!r}" if absent else None
+
+    check.internal = (module, path)
+    return check
+
+
+def any_of(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
+    """A check that passes when one of `checks` does."""
+
+    def check():
+        reasons = [c() for c in checks]
+        return None if None in reasons else " and ".join(reasons)
+
+    check.alternatives = checks
+    return check
+
+
+QWEN = "comfy.ldm.qwen_image.model"
+BLOCK_ARGS = (
+    "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
+    "image_rotary_emb", "transformer_options",
+)  # fmt: skip
+
+# feature -> the internals it needs
+FEATURES: dict[str, list[Callable[[], str | None]]] = {
+    "fused_blocks": [
+        params(QWEN, "QwenImageTransformerBlock.forward", *BLOCK_ARGS),
+        attr(QWEN, "optimized_attention_masked"),
+        attr(QWEN, "QwenImageTransformerBlock._modulate"),
+    ],
+    "fp8_weights": [
+        any_of(attr("comfy.ops", "mixed_precision_ops"), attr("comfy.ops", "scaled_fp8_ops")),
+        attr("comfy.ops", "cast_bias_weight"),
+    ],
+    "attention_override": [
+        params("comfy.ldm.modules.attention", "wrap_attn", "func"),
+    ],
+    "regional_compile": [
+        attr("comfy_api.torch_helpers", "set_torch_compile_wrapper"),
+    ],
+    "cuda_graphs": [
+        attr("comfy.patcher_extension", "WrappersMP.APPLY_MODEL"),
+        attr("comfy.patcher_extension", "WrappersMP.PREDICT_NOISE"),
+        params("comfy.samplers", "CFGGuider.predict_noise", "x", "timestep", "model_options"),
+    ],
+}
+
+_missing: dict[str, str] | None = None
+
+
+def check() -> dict[str, str]:
+    """{feature: why it is off} for the running host; logs each once per call."""
+    out = {}
+    for feature, checks in FEATURES.items():
+        reasons = [r for c in checks if (r := c())]
+        if reasons:
+            out[feature] = reasons[0]
+            log.warning("Qwen Turbo: %s is off on this ComfyUI: %s", feature, reasons[0])
+    return out
+
+
+def missing(feature: str) -> str | None:
+    """Why `feature` is off on this host (checked once, at the first call), or None."""
+    global _missing
+    if _missing is None:
+        _missing = check()
+    return _missing.get(feature)
+
+
+def reset() -> None:
+    """Check again at the next `missing` call (tests that remove an internal)."""
+    global _missing
+    _missing = None
