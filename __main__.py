@@ -2,8 +2,32 @@
 headless. Run from the folder holding the pack (ComfyUI/custom_nodes)."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+
+def workflow_problem(path: Path) -> str | None:
+    """Why `path` cannot be run as a workflow (one line), or None when it is UI-format JSON."""
+    if not path.is_file():
+        return "no such file" if not path.exists() else "not a file"
+    try:
+        ui = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return "not JSON (a binary file); a workflow is ComfyUI's UI-format .json"
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+    except OSError as e:
+        return e.strerror
+    if (
+        isinstance(ui, dict)
+        and ui
+        and all(isinstance(n, dict) and "class_type" in n for n in ui.values())
+    ):
+        return "an API-format prompt; run takes the UI format (Workflow -> Save, not Export (API))"
+    if not isinstance(ui, dict) or not isinstance(ui.get("nodes"), list):
+        return 'JSON, but not a ComfyUI workflow (no "nodes" list)'
+    return None
 
 
 def main(argv=None) -> int:
@@ -32,11 +56,13 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
     a = p.parse_args(argv)
 
+    if a.command == "run" and (problem := workflow_problem(a.workflow)):
+        print(f"{p.prog} run: error: {a.workflow}: {problem}", file=sys.stderr)
+        return 2
+
     from .runtime import headless
 
     if a.command == "run":
-        if not a.workflow.is_file():
-            p.error(f"{a.workflow} is not a file")
         headless.start_comfyui(a.out)
         return headless.run(a.workflow, a.prompt, a.seed)
     headless.start_comfyui()

@@ -18,7 +18,8 @@ app.registerExtension({
 // sampler the CUDA graph status. The server sends "qwen_turbo.node_stats" (nodes/report.py).
 export function badgeText(stats) {
   const parts = [`${stats.seconds.toFixed(2)} s`];
-  if (stats.peak_vram_gib != null) parts.push(`peak ${stats.peak_vram_gib.toFixed(2)} GiB`);
+  const vram = stats.peak_vram_gib;
+  parts.push(vram == null ? "peak VRAM n/a (no CUDA)" : `peak VRAM ${vram.toFixed(2)} GiB`);
   if (stats.graphs) parts.push(`graphs: ${stats.graphs}`);
   if (stats.weights) parts.push(stats.weights);
   if (stats.patched != null) parts.push(`${stats.patched} modules patched`);

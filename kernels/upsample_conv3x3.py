@@ -98,6 +98,10 @@ class UpsampleConv3x3(torch.nn.Module):
     Holds the original conv (its parameters are shared, not copied). The phase weights are
     built once per weight storage, device and dtype (and version, where the weight is not an
     inference tensor), not once per call: a tiled decode calls this once per tile.
+
+    Takes the original module's extra arguments too (newer ComfyUI calls its `Upsample` as
+    `upsample(x, conv_carry_in, conv_carry_out)`): the fused path runs for a 4-D x with every
+    extra argument None; anything else goes to the original module unchanged.
     """
 
     def __init__(self, conv: torch.nn.Conv2d, fallback: torch.nn.Module):
@@ -107,9 +111,10 @@ class UpsampleConv3x3(torch.nn.Module):
         self.with_conv = True  # read by code that inspects a VAE `Upsample`
         self._phases = None  # (key, phase weights)
 
-    def forward(self, x):
-        if x.ndim != 4:
-            return self.fallback(x)
+    def forward(self, x, *args, **kwargs):
+        extra = (*args, *kwargs.values())
+        if x.ndim != 4 or any(a is not None for a in extra):
+            return self.fallback(x, *args, **kwargs)
         p = self.conv.weight
         w = p.to(x)
         b = None if self.conv.bias is None else self.conv.bias.to(x)

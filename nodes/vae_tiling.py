@@ -1,5 +1,6 @@
 """VAE Tiling: an exact tiled decode that stays inside a VRAM budget."""
 
+import contextlib
 import logging
 
 import comfy.model_management as mm
@@ -14,33 +15,61 @@ log = logging.getLogger(__name__)
 GiB = 1024**3
 
 
+# what a decoder whose modules are called in a way this pack does not know raises mid-decode
+INTERFACE_ERRORS = (AttributeError, TypeError, NotImplementedError)
+
+
 def _warn_once(msg: str) -> None:
     log_once(log, logging.WARNING, msg)
 
 
-def _auto_budget(device) -> int:
-    free = mm.get_free_memory(device)
+def _free_memory(vae, device) -> int:
+    """Free memory as the host's own decode counts it (newer hosts add what dynamic VRAM
+    offloading can give back, through the patcher)."""
+    free = getattr(vae.patcher, "get_free_memory", None)
+    return free(device) if callable(free) else mm.get_free_memory(device)
+
+
+def _auto_budget(vae, device) -> int:
+    free = _free_memory(vae, device)
     return int(max(GiB // 4, free - max(GiB // 2, free // 10)))
 
 
-def decode(vae, latent: torch.Tensor, tile_size: int = 0, budget_gb: float = 0.0) -> torch.Tensor:
-    """Decode like `VAE.decode`, tile by tile; returns images (B, [T,] H, W, C) in 0..1."""
-    vae.throw_exception_if_invalid()
-    if getattr(vae, "latent_dim", 2) == 3 and latent.ndim == 4:
-        latent = latent.unsqueeze(2)
+def _is_oom(e: Exception) -> bool:
+    is_oom = getattr(mm, "is_oom", None)  # newer hosts: also out-of-memory AcceleratorErrors
+    return is_oom(e) if callable(is_oom) else isinstance(e, mm.OOM_EXCEPTION)
+
+
+def _output_dtype(vae) -> torch.dtype:
+    out = getattr(vae, "vae_output_dtype", None)  # newer hosts: the intermediate dtype
+    return out() if callable(out) else torch.float32
+
+
+def _device_context(device):
+    ctx = getattr(mm, "cuda_device_context", None)
+    return ctx(device) if callable(ctx) else contextlib.nullcontext()
+
+
+def _fall_back(info: dict, reason: str) -> None:
+    info["fallback"] = reason
+    _warn_once(f"VAE Tiling: {reason}; using ComfyUI's VAE decode instead")
+
+
+def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | None:
+    """The decoder's output (B, C, [T,] H, W) on the VAE's device, or None where the decoder
+    is not one VAE Tiling knows (the reason is in info["fallback"])."""
     budget = int(budget_gb * GiB)
     # load first: the op list must hold the modules of this VAE's (possibly patched) tree
     mm.load_models_gpu([vae.patcher], memory_required=budget, force_full_load=vae.disable_offload)
     try:
         ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
     except NotImplementedError as e:
-        _warn_once(f"VAE Tiling: {e} is not supported; using ComfyUI's VAE decode instead")
-        return vae.decode(latent)
+        _fall_back(info, f"{e} is not supported")
+        return None
 
     device = vae.device
-    budget = budget or _auto_budget(device)
+    budget = budget or _auto_budget(vae, device)
     x = latent.to(device=device, dtype=vae.vae_dtype)
-    out = None
     for attempt in range(3):
         plan = vae_tiling.plan_decode(ops, tuple(x.shape), vae.vae_dtype, budget, tile_size)
         pbar = comfy.utils.ProgressBar(plan.total)
@@ -50,10 +79,14 @@ def decode(vae, latent: torch.Tensor, tile_size: int = 0, budget_gb: float = 0.0
             pbar.update_absolute(done, total)
 
         try:
-            out = vae_tiling.execute(plan, x, device, progress)
-            break
-        except mm.OOM_EXCEPTION:
-            out = None  # retry outside the handler, so the failed tiles can be freed
+            return vae_tiling.execute(plan, x, device, progress)
+        except INTERFACE_ERRORS as e:  # a module called differently on this ComfyUI
+            _fall_back(info, f"the decoder does not run tile by tile ({type(e).__name__}: {e})")
+            return None
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+        # retry outside the handler, so the failed tiles can be freed
         mm.soft_empty_cache()
         if attempt == 2:
             raise RuntimeError(
@@ -63,8 +96,35 @@ def decode(vae, latent: torch.Tensor, tile_size: int = 0, budget_gb: float = 0.0
         budget //= 4
         tile_size = tile_size // 2
         _warn_once(f"VAE Tiling: out of memory; retrying with a {budget / GiB:.2f} GiB budget")
-    out = vae.process_output(out.to(vae.output_device).float())
-    return out.movedim(1, -1)
+    return None  # not reached
+
+
+def decode(
+    vae,
+    latent: torch.Tensor,
+    tile_size: int = 0,
+    budget_gb: float = 0.0,
+    info: dict | None = None,
+) -> torch.Tensor:
+    """Decode like `VAE.decode`, tile by tile; returns images (B, [T,] H, W, C) in 0..1.
+
+    A decoder VAE Tiling does not recognise is decoded by `VAE.decode`, with the reason
+    logged once and stored in info["fallback"] (info: optional dict, filled in).
+    """
+    vae.throw_exception_if_invalid()
+    info = {} if info is None else info
+    if getattr(latent, "is_nested", False):  # as VAEDecode takes nested latents
+        latent = latent.unbind()[0]
+    if getattr(vae, "latent_dim", 2) == 3 and latent.ndim == 4:
+        latent = latent.unsqueeze(2)
+    with _device_context(vae.device):
+        out = _decode_tiled(vae, latent, tile_size, budget_gb, info)
+    if out is None:
+        return vae.decode(latent)
+    # a copy made here is a normal tensor, which process_output may change in place (newer
+    # hosts do) also outside inference mode
+    out = out.to(device=vae.output_device, dtype=_output_dtype(vae), copy=True)
+    return vae.process_output(out).movedim(1, -1)
 
 
 class VAEDecodeTiled(io.ComfyNode):
@@ -113,8 +173,8 @@ class VAEDecodeTiled(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, tile_size=0, vram_budget_gb=0.0) -> io.NodeOutput:
-        with report.measured(cls):
-            images = decode(vae, samples["samples"], tile_size, vram_budget_gb)
+        with report.measured(cls) as extra:
+            images = decode(vae, samples["samples"], tile_size, vram_budget_gb, info=extra)
         if images.ndim == 5:  # combine batches, as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
         return io.NodeOutput(images)

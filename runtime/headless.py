@@ -102,6 +102,17 @@ class _Console:
         pass
 
 
+def _executor(execution, server):
+    """A PromptExecutor with classic caching on either host (newer ones also take the RAM
+    thresholds that main.py passes, read even when unused)."""
+    import inspect
+
+    if "cache_args" in inspect.signature(execution.PromptExecutor).parameters:
+        args = {"lru": 0, "ram": 0, "ram_inactive": 0}
+        return execution.PromptExecutor(server, cache_args=args)
+    return execution.PromptExecutor(server)
+
+
 def run(workflow: Path, prompt: str | None, seed: int | None) -> int:
     """Run it; 0 on success, 2 when model files are missing, 1 on a node error."""
     import comfy.utils
@@ -123,7 +134,7 @@ def run(workflow: Path, prompt: str | None, seed: int | None) -> int:
     if not valid[0]:
         print(f"invalid workflow: {valid[1]}\n{json.dumps(valid[3], indent=1)}", file=sys.stderr)
         return 1
-    executor = execution.PromptExecutor(console)
+    executor = _executor(execution, console)
     t0 = time.perf_counter()
     executor.execute(api, str(uuid.uuid4()), {"client_id": console.client_id}, valid[2])
     console._close()

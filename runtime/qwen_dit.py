@@ -227,21 +227,6 @@ def from_mixed(sd: dict[str, torch.Tensor], metadata: dict | None = None) -> dic
     return out
 
 
-def to_mixed_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The scaled-fp8 layout (`to_scaled_fp8`) as newer ComfyUI's mixed-precision ops load
-    it: fp8 weights with `weight_scale` and a `comfy_quant` entry, the others plain."""
-    conf = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
-    out = {}
-    for k, t in sd.items():
-        if not k.endswith(".scale_weight"):
-            out[k] = t
-        elif sd[k[: -len("scale_weight")] + "weight"].dtype == FP8:
-            layer = k[: -len(".scale_weight")]
-            out[layer + ".weight_scale"] = t.float()
-            out[layer + ".comfy_quant"] = conf.clone()
-    return out
-
-
 def dequantize(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """fp8 weights (with any `scale_weight`) back to `dtype`; other floats cast to `dtype`."""
     out = {}

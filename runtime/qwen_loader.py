@@ -5,9 +5,9 @@ This module imports ComfyUI; the math it uses is in `qwen_dit`, `attention` and 
 """
 
 import logging
-import weakref
 from pathlib import Path
 
+import comfy.float
 import comfy.ldm.qwen_image.model as qwen_model
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -16,6 +16,7 @@ import comfy.supported_models
 import comfy.utils
 import folder_paths
 import torch
+import torch.nn.functional as F
 
 from ..kernels.fp8_linear import (
     FP8,
@@ -89,25 +90,76 @@ def _gemv_sized(x: torch.Tensor) -> bool:
     return x.numel() < GEMV_ROWS * x.shape[-1]
 
 
-class _Fp8Gemm:
-    """fp8 GEMMs with per-row activation scales for a ComfyUI fp8 Linear. The host's ops
-    class says through `_fp8_ready(x)` whether it can take x (else its own forward runs), and
-    through `_fp8_weight(x)` where the fp8 weight, its scale and the bias are."""
+class Fp8Linear(comfy.ops.manual_cast.Linear):
+    """A Linear holding an fp8 weight with a float32 per-tensor `scale_weight` (ComfyUI v0.3's
+    scaled-fp8 layout), the same on every host: cast to the compute dtype per call, LoRAs
+    patched through convert_weight/set_weight (dequantize, add, requantize at the same scale).
 
-    def _scale_row(self, scale: torch.Tensor, device) -> torch.Tensor:
-        """The per-tensor scale as the (1, N) float32 row _scaled_mm takes, made once per
-        weight (a new Parameter after a LoRA patch or an unpatch) instead of per call."""
-        key = (weakref.ref(self.weight), device)
-        cached = getattr(self, "_scale_row_cache", None)
-        if cached is None or cached[0][0]() is not self.weight or cached[0][1] != device:
-            row = scale.to(device=device, dtype=torch.float32).reshape(1, 1)
-            cached = (key, row.expand(1, self.out_features).clone())
-            self._scale_row_cache = cached
-        return cached[1]
+    Tensors load as they are in the state dict, so layers kept in bf16 stay bf16. Newer
+    hosts' own quantized tensors are not used: under inference_mode (every node runs in it)
+    the host's ModelPatcher fails to move or restore them ("Cannot set version_counter for
+    inference tensor"), as a test shows.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.scale_weight = torch.nn.Parameter(torch.ones((), device=device), requires_grad=False)
+
+    def _load_from_state_dict(
+        self, sd, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        for name in ("weight", "bias", "scale_weight"):
+            if (t := sd.pop(prefix + name, None)) is not None:
+                setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
+            elif name != "scale_weight" and getattr(self, name) is not None:
+                missing.append(prefix + name)
+
+    def forward_comfy_cast_weights(self, input):
+        if self.weight.dtype != FP8:
+            return super().forward_comfy_cast_weights(input)
+        weight, bias = comfy.ops.cast_bias_weight(self, input)
+        scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
+        if weight.numel() < input.numel():
+            return F.linear(input, weight * scale, bias)
+        return F.linear(input * scale, weight, bias)
+
+    def convert_weight(self, weight, inplace=False, **kwargs):
+        if self.weight.dtype != FP8:
+            return weight
+        scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
+        return weight.mul_(scale) if inplace else weight * scale
+
+    def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+        if self.weight.dtype == FP8:
+            scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
+            weight = comfy.float.stochastic_rounding(weight / scale, FP8, seed=seed)
+        else:
+            weight = weight.to(self.weight.dtype)
+        if return_weight:
+            return weight
+        if inplace_update:
+            self.weight.data.copy_(weight)
+        else:
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+class Fp8FastLinear(Fp8Linear):
+    """Fp8Linear with fp8 GEMMs: per-row activation scales, `fp8_gemv` for the few-row
+    modulation inputs, the GELU fused into the activation quantization."""
+
+    def _scale_row(self, device) -> torch.Tensor:
+        """scale_weight as the (1, N) float32 row _scaled_mm takes, made once per scale
+        tensor and device instead of on every call."""
+        key = (self.scale_weight.data_ptr(), device)
+        if getattr(self, "_scale_row_key", None) != key:
+            s = self.scale_weight.to(device=device, dtype=torch.float32)
+            self._scale_row_value = s.reshape(1, 1).expand(1, self.out_features).clone()
+            self._scale_row_key = key
+        return self._scale_row_value
 
     def _fp8(self, x, gelu_input=False, x_fp8=None):
-        weight, scale, bias = self._fp8_weight(x)
-        scale = self._scale_row(scale, x.device)
+        weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
+        scale = self._scale_row(x.device)
         if _gemv_sized(x):  # the modulation linears
             return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
         return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
@@ -116,108 +168,38 @@ class _Fp8Gemm:
         """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
         for all of them (q, k and v of one stream)."""
         if _gemv_sized(x) or not all(
-            isinstance(linear, _Fp8Gemm) and linear._fp8_ready(x) for linear in linears
+            isinstance(linear, Fp8FastLinear) and linear.weight.dtype == FP8 for linear in linears
         ):
             return [linear(x) for linear in linears]
         x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
         return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
 
+    def forward_comfy_cast_weights(self, input):
+        if self.weight.dtype != FP8:  # a layer kept in bf16 (qwen_dit.in_blocks)
+            return super().forward_comfy_cast_weights(input)
+        return self._fp8(input)
+
     def linear_of_gelu(self, x):
         """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
-        if not self._fp8_ready(x):
+        if self.weight.dtype != FP8:
             return self(gelu_tanh(x))
         return self._fp8(x, gelu_input=True)
 
 
-def _scaled_fp8_ops(fast: bool):
-    """ComfyUI v0.3's scaled-fp8 ops (fp8 storage with `scale_weight`, cast per layer, LoRA
-    through convert/set_weight); with `fast`, fp8 GEMMs."""
-    base = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
-    if not fast:
-        return base
+def fp8_ops(fast: bool):
+    """ComfyUI's manual-cast ops with the pack's fp8 Linear."""
 
-    class fp8_fast_ops(base):
-        class Linear(_Fp8Gemm, base.Linear):
-            def _fp8_ready(self, x):
-                return self.weight.dtype == FP8  # else a layer kept in bf16 (in_blocks)
+    class ops(comfy.ops.manual_cast):
+        Linear = Fp8FastLinear if fast else Fp8Linear
 
-            def _fp8_weight(self, x):
-                weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
-                return weight, self.scale_weight, bias
-
-            def forward_comfy_cast_weights(self, input):
-                if not self._fp8_ready(input):
-                    return super().forward_comfy_cast_weights(input)
-                return self._fp8(input)
-
-    return fp8_fast_ops
-
-
-def _mixed_fp8_ops(fast: bool, compute_dtype: torch.dtype):
-    """Newer ComfyUI's mixed-precision ops: fp8 weights as its quantized tensors (the
-    layout of `fp8mixed` checkpoints; LoRAs requantize them), bf16 compute; with `fast`, the
-    pack's fp8 GEMMs on the quantized weights."""
-    base = comfy.ops.mixed_precision_ops({"mixed_ops": True}, compute_dtype, full_precision_mm=True)
-
-    class Linear(base.Linear):
-        def _apply(self, fn, recurse=True):
-            # Under inference_mode (every node runs in it) the host re-wraps a moved quantized
-            # weight in a Parameter, which fails for an inference tensor; outside it, the
-            # host clones inference tensors first.
-            with torch.inference_mode(False):
-                return super()._apply(fn, recurse)
-
-    class FastLinear(_Fp8Gemm, Linear):
-        def _fp8_ready(self, x):
-            """Resident fp8 weights with nothing patched on the fly; else ComfyUI's own
-            forward (its offloading, its dequantized matmul)."""
-            qdata = getattr(self.weight, "_qdata", None)
-            return not (
-                qdata is None or qdata.dtype != FP8 or qdata.device != x.device
-                or self.weight_function or self.bias_function
-                or getattr(self, "comfy_force_cast_weights", False)
-            )  # fmt: skip
-
-        def _fp8_weight(self, x):
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return self.weight._qdata, self.weight._params.scale, bias
-
-        def forward(self, input, *args, **kwargs):
-            if not self._fp8_ready(input):
-                return super().forward(input, *args, **kwargs)
-            return self._fp8(input)
-
-    class ops(base):
-        pass
-
-    ops.Linear = FastLinear if fast else Linear
     return ops
 
 
-def mixed_host() -> bool:
-    """Whether the host loads fp8 weights through mixed-precision ops (newer than v0.3)."""
-    return hasattr(comfy.ops, "mixed_precision_ops")
-
-
-def fp8_ops(fast: bool, compute_dtype: torch.dtype = torch.bfloat16):
-    """The host's fp8 ops, with the pack's fp8 GEMMs where `fast`."""
-    return _mixed_fp8_ops(fast, compute_dtype) if mixed_host() else _scaled_fp8_ops(fast)
-
-
-def fp8_state_dict(sd: dict[str, torch.Tensor], quantize=qwen_dit.in_blocks) -> dict:
-    """`sd` with its Linear weights in the host's fp8 layout (`qwen_dit.to_scaled_fp8`)."""
-    sd = qwen_dit.to_scaled_fp8(sd, quantize)
-    return qwen_dit.to_mixed_fp8(sd) if mixed_host() else sd
-
-
 def fp8_parts(linear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fp8 weight, float32 scale) of a Linear holding fp8 weights on either host, else None."""
-    w = linear.weight
-    if getattr(w, "_qdata", None) is not None and w._qdata.dtype == FP8:
-        return w._qdata, w._params.scale
-    if w.dtype == FP8:
-        return w, linear.scale_weight
-    return None
+    """(fp8 weight, float32 scale) of a Linear holding an fp8 weight, else None."""
+    if linear.weight.dtype != FP8:
+        return None
+    return linear.weight, linear.scale_weight
 
 
 def _storage(weight_dtype: str, sd, load_device) -> str:
@@ -236,38 +218,23 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     offload_device = mm.unet_offload_device()
     model_config = comfy.supported_models.QwenImage(config.unet_config())
     mode = _storage(weight_dtype, sd, load_device)
-    fast = mode == "fp8_e4m3fn_fast"
-    mixed = mode.startswith("fp8") and mixed_host()
+    unet_dtype = torch.bfloat16
     if mode.startswith("fp8"):
-        sd = fp8_state_dict(sd)
-        # v0.3 builds the model in fp8; mixed-precision ops build it in bf16 and hold the
-        # fp8 weights as quantized tensors.
-        unet_dtype = torch.bfloat16 if mixed else FP8
+        # fp8 Linear weights with scales; the rest (biases, norm gains, the layers outside
+        # the blocks) in bf16.
+        sd = qwen_dit.to_scaled_fp8(sd)
+        model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
     else:
         if qwen_dit.has_fp8_weights(sd):
             sd = qwen_dit.dequantize(sd, torch.bfloat16)
-        unet_dtype = torch.bfloat16
         if mode == "auto":  # ComfyUI's own choice for the device (float32 on CPU)
             params = qwen_dit.count_params(sd)
             unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)
     manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
-    if mode.startswith("fp8"):
-        model_config.custom_operations = fp8_ops(fast, manual_cast or unet_dtype)
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
-    # v0.3 builds every parameter in fp8 here, biases and norm gains too (1.1 rounds to
-    # 1.125). Everything but the fp8 weights and their scales is put back in bf16 after the
-    # load (which empties `sd`).
-    kept = {}
-    if mode.startswith("fp8") and not mixed:
-        kept = {
-            k: t for k, t in sd.items()
-            if t.is_floating_point() and t.dtype != FP8 and not k.endswith("scale_weight")
-        }  # fmt: skip
     model.load_model_weights(sd, "")
-    for k, t in kept.items():
-        comfy.utils.set_attr_param(model.diffusion_model, k, t.to(torch.bfloat16))
     patcher = comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher

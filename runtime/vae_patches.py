@@ -3,8 +3,13 @@
 Each function walks a VAE's original module tree and returns ({dotted name: replacement},
 [(dotted name, why it was left alone)]). `backups` is the patcher's object-patch backup dict,
 so the walk sees the original modules even while a patched clone is loaded.
+
+The host's modules are recognised by class name, attributes and `forward` signatures, never
+by ComfyUI's version: a module whose layout or call is not the one a replacement reproduces
+is left alone, with the reason in the skipped list.
 """
 
+import inspect
 from collections.abc import Iterator
 
 import torch.nn.functional as F
@@ -29,8 +34,66 @@ def _children(module: nn.Module, path: str, backups: dict) -> list[tuple[str, nn
     return [(f"{path}.{n}", backups.get(f"{path}.{n}", c)) for n, c in module.named_children()]
 
 
+def _params(fn) -> list[inspect.Parameter] | None:
+    """The parameters of `fn` after its input (self excluded for a bound method), or None
+    where no signature can be read or `fn` takes no positional input."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or params[0].kind not in (*positional, inspect.Parameter.VAR_POSITIONAL):
+        return None
+    return params[1:] if params[0].kind in positional else params
+
+
+def _named(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p for p in params if p.kind not in variadic]
+
+
+def input_only_reason(module) -> str | None:
+    """Why `module(x)` cannot be called with the input alone, or None where it can."""
+    params = _params(module.forward)
+    if params is None:
+        return f"{type(module).__name__}.forward has no readable signature"
+    required = [p.name for p in _named(params) if p.default is inspect.Parameter.empty]
+    return f"{type(module).__name__}.forward needs {required[0]!r}" if required else None
+
+
+def _plain_forward_reason(module) -> str | None:
+    """Why a replacement taking only x cannot stand in for `module`: it takes more."""
+    params = _params(module.forward)
+    if params is None:
+        return f"{type(module).__name__}.forward has no readable signature"
+    named = _named(params)
+    return f"{type(module).__name__}.forward takes {named[0].name!r}" if named else None
+
+
+def _none_defaults_reason(module) -> str | None:
+    """Why a replacement that runs its fast path when every extra argument is None, and passes
+    anything else to the original, would differ from `module`: an extra parameter whose default
+    is not None (or that has none), whose omission the host may rely on."""
+    params = _params(module.forward)
+    if params is None:
+        return f"{type(module).__name__}.forward has no readable signature"
+    odd = [p.name for p in _named(params) if p.default is not None]
+    return (
+        f"{type(module).__name__}.forward takes {odd[0]!r} not defaulting to None" if odd else None
+    )
+
+
 def _is_rms_norm(m) -> bool:
     return type(m).__name__ == "RMS_norm" and hasattr(m, "gamma")
+
+
+def _norm_reason(m: nn.Module) -> str | None:
+    why = _plain_forward_reason(m)
+    if why is None and _is_rms_norm(m):
+        c = m.gamma.shape[0]
+        if abs(getattr(m, "scale", 0.0) - c**0.5) > 1e-6 * c**0.5:
+            why = f"RMS_norm scale {getattr(m, 'scale', None)} is not sqrt({c})"
+    return why
 
 
 def _norm(m: nn.Module, silu: bool) -> nn.Module:
@@ -60,6 +123,10 @@ def norm_patches(model: nn.Module, backups: dict | None = None) -> Patches:
             silu_of[f"{path}.norm1"] = silu_of[f"{path}.norm2"] = f"{path}.swish"
     patches, skipped = {}, []
     for path, m in norms.items():
+        why = _norm_reason(m)
+        if why is not None:
+            skipped.append((path, why))
+            continue
         try:
             patches[path] = _norm(m, silu=path in silu_of)
         except ValueError as e:
@@ -91,13 +158,19 @@ def upsample_patches(model: nn.Module, backups: dict | None = None) -> Patches:
     patches, skipped = {}, []
     for path, m in _walk(model, backups):
         kind = type(m).__name__
-        if kind == "Resample" and getattr(m, "mode", "").startswith("upsample"):
-            seq = backups.get(f"{path}.resample", m.resample)
-            why = _is_upsample_conv(seq[0], seq[1]) if len(seq) == 2 else "unexpected layers"
-            target, conv, original = f"{path}.resample", seq[1] if len(seq) == 2 else None, seq
+        if kind == "Resample" and str(getattr(m, "mode", "")).startswith("upsample"):
+            # Wan: `self.resample(x)` on (B*T, C, H, W); only the Sequential is replaced
+            seq = backups.get(f"{path}.resample", getattr(m, "resample", None))
+            ok = isinstance(seq, nn.Sequential) and len(seq) == 2
+            why = _is_upsample_conv(seq[0], seq[1]) if ok else "unexpected layers"
+            target, conv, original = f"{path}.resample", seq[1] if ok else None, seq
         elif kind == "Upsample" and getattr(m, "with_conv", False):
-            conv = m.conv
-            why = None if m.scale_factor in (2, 2.0) else f"scale factor {m.scale_factor}"
+            # AutoencoderKL: newer hosts call it as upsample(x, conv_carry_in, conv_carry_out);
+            # the replacement passes any argument that is not None to the original module
+            conv = getattr(m, "conv", None)
+            sf = getattr(m, "scale_factor", None)
+            why = None if sf in (2, 2.0) else f"scale factor {sf}"
+            why = why or _none_defaults_reason(m)
             why = why or _is_upsample_conv(nn.Upsample(scale_factor=2.0), conv)
             target, original = path, m
         else:
@@ -109,6 +182,28 @@ def upsample_patches(model: nn.Module, backups: dict | None = None) -> Patches:
     return patches, skipped
 
 
+HOST_SINGLE_FRAME = (
+    "this ComfyUI already runs single-frame causal convs as 2D convs (Conv3d autopad)"
+)
+
+
+def _old_causal_layout(conv) -> bool:
+    """Whether `conv` pads itself from a 6-tuple `_padding` (ComfyUI v0.3's CausalConv3d)."""
+    pad = getattr(conv, "_padding", None)
+    return isinstance(pad, tuple) and len(pad) == 6 and all(isinstance(p, int) for p in pad)
+
+
+def _host_single_frame(conv) -> bool:
+    """Whether the host's CausalConv3d has its own single-frame path: newer ComfyUI keeps the
+    causal padding as an int and runs uncached single frames through its Conv3d op with
+    autopad="causal_zero" (the last temporal kernel slice), the same 2D convolution this
+    patch would run."""
+    conv_forward = getattr(conv, "_conv_forward", None)
+    params = _params(conv_forward) if conv_forward is not None else None
+    pad = getattr(conv, "_padding", None)
+    return isinstance(pad, int) and params is not None and any(p.name == "autopad" for p in params)
+
+
 class SingleFrameCausalConv:
     """A `forward` for a Wan `CausalConv3d` that runs one uncached frame as a 2D convolution.
 
@@ -116,7 +211,8 @@ class SingleFrameCausalConv:
     kernel touches data: conv2d with it gives the same result without the zero-padded copy
     of the input or the 3x wasted multiply-adds. Other inputs take the original forward.
     It patches the module's `forward` attribute rather than the module, because the Wan code
-    dispatches on `isinstance(layer, CausalConv3d)`.
+    dispatches on `isinstance(layer, CausalConv3d)`. For ComfyUI v0.3's layout only (a
+    6-tuple `_padding`); `causal_conv_patches` checks that before building one.
     """
 
     def __init__(self, conv: nn.Module):
@@ -141,19 +237,43 @@ class SingleFrameCausalConv:
         return F.conv2d(x[:, :, 0], w, b, conv.stride[1:], self.padding).unsqueeze(2)
 
 
+_CAUSAL_ARGS = ("cache_x", "cache_list", "cache_idx")
+
+
+def _causal_conv_reason(conv) -> str | None:
+    """Why `conv`'s forward is left alone, or None where SingleFrameCausalConv replaces it."""
+    if _host_single_frame(conv):
+        return HOST_SINGLE_FRAME
+    if not _old_causal_layout(conv):
+        return f"unrecognised causal padding {getattr(conv, '_padding', None)!r}"
+    params = _params(type(conv).forward.__get__(conv))
+    names = None if params is None else [p.name for p in _named(params)]
+    if names != list(_CAUSAL_ARGS):
+        return f"CausalConv3d.forward takes {names}, not x, {', '.join(_CAUSAL_ARGS)}"
+    return None
+
+
 def causal_conv_patches(model: nn.Module, backups: dict | None = None) -> Patches:
-    """Every Wan `CausalConv3d`'s forward, to run single frames as 2D convolutions."""
+    """Every Wan `CausalConv3d`'s forward, to run single frames as 2D convolutions.
+
+    Left alone (with the reason) where the host does that itself or lays the conv out in a
+    way this patch does not know.
+    """
     backups = backups or {}
-    patches = {
-        f"{path}.forward": SingleFrameCausalConv(m)
-        for path, m in _walk(model, backups)
-        if type(m).__name__ == "CausalConv3d" and hasattr(m, "_padding")
-    }
-    return patches, []
+    patches, skipped = {}, []
+    for path, m in _walk(model, backups):
+        if type(m).__name__ != "CausalConv3d":
+            continue
+        why = _causal_conv_reason(m)
+        if why is None:
+            patches[f"{path}.forward"] = SingleFrameCausalConv(m)
+        else:
+            skipped.append((path, why))
+    return patches, skipped
 
 
 def fused_norm_patches(model: nn.Module, backups: dict | None = None) -> Patches:
     """What Fused GroupNorm Patch applies: fused norms and single-frame causal convs."""
     norms, skipped = norm_patches(model, backups)
-    convs, _ = causal_conv_patches(model, backups)
-    return {**norms, **convs}, skipped
+    convs, conv_skipped = causal_conv_patches(model, backups)
+    return {**norms, **convs}, skipped + conv_skipped

@@ -13,7 +13,9 @@ the result equals an untiled decode. A chain ends wherever its full output is sm
 keep; keeping it costs memory, recomputing halos costs time.
 
 The decoders are recognised by structure (ComfyUI's Wan 2.1 `Decoder3d` and the AutoencoderKL
-`Decoder`), so this module does not import ComfyUI.
+`Decoder`): class names, attributes, layer types and `forward` signatures, never ComfyUI's
+version, so this module does not import ComfyUI. What is not recognised raises
+NotImplementedError naming it, and the caller decodes the stock way.
 """
 
 import logging
@@ -30,6 +32,8 @@ from ..kernels.group_norm_stats import (
     group_norm_apply,
     merge_moments,
 )
+from ..kernels.upsample_conv3x3 import UpsampleConv3x3
+from .vae_patches import input_only_reason
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +78,47 @@ def _call(module) -> Callable[..., State]:
     return lambda x: (module(x),)
 
 
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise NotImplementedError(what)
+
+
+def _callable(module, where: str) -> None:
+    """The ops call `module(x)` where the host passes only arguments that are None or the
+    defaults for one frame / a 2-D decode; a forward that needs more is not recognised."""
+    why = input_only_reason(module)
+    _require(why is None, f"{where}: {why}")
+
+
+def _conv(module, where: str, kind: type = torch.nn.Conv2d):
+    _require(
+        isinstance(module, kind),
+        f"{where} is a {type(module).__name__}, not a {kind.__name__}",
+    )
+    return module
+
+
 def _wan_ops(vae) -> list:
     """ComfyUI's Wan 2.1 / Qwen-Image VAE (`comfy.ldm.wan.vae.WanVAE`) for one frame.
 
     For T=1 every CausalConv3d sees zero temporal padding and `Resample` skips its time conv,
-    so calling the modules without a feature cache matches `WanVAE.decode`.
+    so calling the modules without a feature cache matches `WanVAE.decode` (newer hosts run
+    that uncached single frame through the conv's own truncated-weight path; the ops call the
+    same modules, so they follow whichever the host has).
     """
     dec = vae.decoder
-    z = vae.conv2.out_channels
-    c0 = dec.conv1.out_channels
+    z = _conv(vae.conv2, "WanVAE.conv2", torch.nn.Conv3d).out_channels
+    c0 = _conv(dec.conv1, "Decoder3d.conv1", torch.nn.Conv3d).out_channels
+    _callable(vae.conv2, "WanVAE.conv2")
+    _callable(dec.conv1, "Decoder3d.conv1")
     ops = [
         Local(_call(vae.conv2), z, 2 * z),
         Local(_call(dec.conv1), c0, 4 * z + c0, radius=1),
     ]
     c = c0
-    for layer in [*dec.middle, *dec.upsamples]:
+    for i, layer in enumerate([*dec.middle, *dec.upsamples]):
         kind = type(layer).__name__
+        _callable(layer, f"Wan decoder layer {i} ({kind})")
         if kind == "ResidualBlock":
             c_in, c = layer.in_dim, layer.out_dim
             # x, norm, SiLU, the 3-frame padded copy of each causal conv input, conv output
@@ -101,28 +130,39 @@ def _wan_ops(vae) -> list:
             ops.append(Local(_call(layer), c, 5 * c, scale=2, radius=0.5))
         else:
             raise NotImplementedError(f"Wan decoder layer {kind} ({getattr(layer, 'mode', '')})")
-    ops.append(Local(_call(dec.head), 3, 6 * c, radius=1))
+    head = dec.head
+    _require(isinstance(head, torch.nn.Sequential), "Decoder3d.head is not a Sequential")
+    out = _conv(head[-1], "Decoder3d.head[-1]", torch.nn.Conv3d).out_channels
+    _callable(head[-1], "Decoder3d.head[-1]")
+    ops.append(Local(_call(head), out, 6 * c, radius=1))
     return ops
 
 
 def _group_norm(m) -> torch.nn.GroupNorm:
     """The GroupNorm itself, also when a fused replacement wraps it as `.norm`."""
-    return m if isinstance(m, torch.nn.GroupNorm) else m.norm
+    norm = m if isinstance(m, torch.nn.GroupNorm) else getattr(m, "norm", None)
+    _require(isinstance(norm, torch.nn.GroupNorm), f"a {type(m).__name__} norm")
+    return norm
 
 
 def _resnet_ops(block) -> list:
     """AutoencoderKL ResnetBlock: two GroupNorm boundaries, the skip carried in the state."""
+    kind = type(block).__name__
+    _require(kind == "ResnetBlock", f"AutoencoderKL block {kind}")
+    _require(getattr(block, "temb_proj", None) is None, "ResnetBlock with a timestep input")
     c_in, c_out = block.in_channels, block.out_channels
     st1, st2 = Stats(_group_norm(block.norm1), 0), Stats(_group_norm(block.norm2), 1)
+    conv1, conv2 = _conv(block.conv1, "ResnetBlock.conv1"), _conv(block.conv2, "ResnetBlock.conv2")
     shortcut = None
     if c_in != c_out:
         shortcut = block.conv_shortcut if block.use_conv_shortcut else block.nin_shortcut
+        _conv(shortcut, "ResnetBlock shortcut")
 
     def first(x):
-        return x, block.conv1(F.silu(st1.apply(x)))
+        return x, conv1(F.silu(st1.apply(x)))
 
     def second(x, h):
-        h = block.conv2(block.dropout(F.silu(st2.apply(h))))
+        h = conv2(block.dropout(F.silu(st2.apply(h))))
         if shortcut is not None:
             x = shortcut(x)
         return (x + h,)
@@ -135,36 +175,82 @@ def _resnet_ops(block) -> list:
     ]
 
 
+def _latent_batch_norm(vae) -> Local:
+    """Newer ComfyUI's latent batch norm (Flux 2's VAE), undone before `post_quant_conv`:
+    z * sqrt(var + eps) + mean per channel, then channels (c, pi, pj) to 2x2 pixels."""
+    bn, eps, ps = vae.bn, vae.bn_eps, tuple(vae.ps)
+    _require(ps[0] == ps[1], f"latent batch norm with patch {ps}")
+    c = bn.running_mean.shape[0] // (ps[0] * ps[1])
+
+    def fn(z):
+        # as the host: the statistics cast to z's dtype, the arithmetic in z's dtype
+        s = torch.sqrt(bn.running_var.view(1, -1, 1, 1).to(z) + eps)
+        m = bn.running_mean.view(1, -1, 1, 1).to(z)
+        return (F.pixel_shuffle(z * s + m, ps[0]),)
+
+    return Local(fn, c, 3 * c, scale=ps[0])
+
+
 def _autoencoder_kl_ops(vae) -> list:
-    """ComfyUI's AutoencoderKL decoder (SD1.5, SDXL, SD3, Flux), `give_pre_end` off."""
+    """ComfyUI's AutoencoderKL decoder (SD1.5, SDXL, SD3, Flux, Flux 2), 2-D convolutions.
+
+    Older hosts' `give_pre_end` (no head) is not tiled; newer hosts split video decodes into
+    carried chunks (CarriedConv3d), which the 2-D layer checks below turn away.
+    """
     dec = vae.decoder
+    _require(not getattr(dec, "give_pre_end", False), "decoders with give_pre_end")
+    _require(not getattr(dec, "carried", False), "decoders with carried 3-D convolutions")
     ops = []
-    pqc = getattr(vae, "post_quant_conv", None)
-    if isinstance(pqc, torch.nn.Conv2d):
-        ops.append(Local(_call(pqc), pqc.out_channels, 2 * pqc.out_channels))
-    c = dec.conv_in.out_channels
-    ops.append(Local(_call(dec.conv_in), c, 2 * c, radius=1))
+    if type(vae).__name__ != "AutoencodingEngine":  # AutoencoderKL / ...Legacy
+        if getattr(vae, "bn", None) is not None:
+            ops.append(_latent_batch_norm(vae))
+        pqc = vae.post_quant_conv
+        if isinstance(pqc, torch.nn.Conv2d):
+            ops.append(Local(_call(pqc), pqc.out_channels, 2 * pqc.out_channels))
+        else:
+            _require(isinstance(pqc, torch.nn.Identity), f"post_quant_conv {type(pqc).__name__}")
+    conv_in = _conv(dec.conv_in, "Decoder.conv_in")
+    c = conv_in.out_channels
+    ops.append(Local(_call(conv_in), c, 2 * c, radius=1))
+    _callable(dec.mid.attn_1, "Decoder.mid.attn_1")
     ops += [*_resnet_ops(dec.mid.block_1), Global(_call(dec.mid.attn_1), c)]
     ops += _resnet_ops(dec.mid.block_2)
     for i_level in reversed(range(dec.num_resolutions)):
         up = dec.up[i_level]
+        _require(len(up.block) == dec.num_res_blocks + 1, f"Decoder.up[{i_level}] block count")
         for i_block, block in enumerate(up.block):
             ops += _resnet_ops(block)
             c = block.out_channels
             if len(up.attn) > 0:
+                _callable(up.attn[i_block], f"Decoder.up[{i_level}].attn")
                 ops.append(Global(_call(up.attn[i_block]), c))
         if i_level != 0:
-            r = 0.5 if up.upsample.with_conv else 0.0
-            ops.append(Local(_call(up.upsample), c, 3 * c, scale=2, radius=r))
+            sample = up.upsample
+            where = f"Decoder.up[{i_level}].upsample"
+            orig = sample.fallback if isinstance(sample, UpsampleConv3x3) else sample
+            sf = getattr(orig, "scale_factor", None)
+            _require(sf in (2, 2.0), f"{where} with scale factor {sf}")
+            _callable(sample, where)
+            if sample.with_conv:
+                conv = getattr(sample, "conv", None)  # a fused replacement keeps it as .conv
+                _conv(conv, f"{where}.conv")
+            r = 0.5 if sample.with_conv else 0.0
+            ops.append(Local(_call(sample), c, 3 * c, scale=2, radius=r))
     norm_out = Stats(_group_norm(dec.norm_out), 0)
-    tanh = dec.tanh_out
+    conv_out = _conv(dec.conv_out, "Decoder.conv_out")
+    tanh = getattr(dec, "tanh_out", False)
 
     def head(x):
-        y = dec.conv_out(F.silu(norm_out.apply(x)))
+        y = conv_out(F.silu(norm_out.apply(x)))
         return (torch.tanh(y) if tanh else y,)
 
-    ops += [norm_out, Local(head, dec.conv_out.out_channels, 5 * c, radius=1)]
+    ops += [norm_out, Local(head, conv_out.out_channels, 5 * c, radius=1)]
     return ops
+
+
+WAN_MODULE = "wan.vae"  # comfy.ldm.wan.vae (not vae2_2: Wan 2.2's decoder differs)
+KL_MODULE = "diffusionmodules.model"
+KL_MODELS = ("AutoencoderKL", "AutoencodingEngineLegacy", "AutoencodingEngine")
 
 
 def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
@@ -175,16 +261,24 @@ def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
     m = first_stage_model
     dec = getattr(m, "decoder", None)
     kind = type(dec).__name__
-    if type(m).__name__ == "WanVAE" and kind == "Decoder3d" and hasattr(m, "conv2"):
-        if latent.ndim != 5 or latent.shape[2] != 1:
-            raise NotImplementedError(f"Wan latents with T != 1 (shape {tuple(latent.shape)})")
-        return _wan_ops(m)
-    if kind == "Decoder" and type(dec).__module__.endswith("diffusionmodules.model"):
-        if latent.ndim != 4:
-            raise NotImplementedError(f"a {latent.ndim}-D latent for a 2-D VAE")
-        if dec.give_pre_end:
-            raise NotImplementedError("decoders with give_pre_end")
-        return _autoencoder_kl_ops(m)
+    try:
+        if (
+            type(m).__name__ == "WanVAE"
+            and type(m).__module__.endswith(WAN_MODULE)
+            and kind == "Decoder3d"
+            and hasattr(m, "conv2")
+        ):
+            if latent.ndim != 5 or latent.shape[2] != 1:
+                raise NotImplementedError(f"Wan latents with T != 1 (shape {tuple(latent.shape)})")
+            return _wan_ops(m)
+        if kind == "Decoder" and type(dec).__module__.endswith(KL_MODULE):
+            if type(m).__name__ not in KL_MODELS:
+                raise NotImplementedError(f"the first-stage model {type(m).__name__}")
+            if latent.ndim != 4:
+                raise NotImplementedError(f"a {latent.ndim}-D latent for a 2-D VAE")
+            return _autoencoder_kl_ops(m)
+    except (AttributeError, IndexError, TypeError) as e:  # a layout this module does not know
+        raise NotImplementedError(f"the {kind} layout ({type(e).__name__}: {e})") from e
     raise NotImplementedError(f"the VAE {type(m).__name__} with decoder {kind}")
 
 

@@ -45,6 +45,31 @@ def test_run_lists_missing_model_files(tmp_path):
     assert "put it in" in r.stderr and "loras" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (None, "no such file"),
+        ("not a workflow\n", "not JSON (Expecting value at line 1, column 1)"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", "not JSON (a binary file)"),
+        ('{"3": {"class_type": "KSampler", "inputs": {}}}', "an API-format prompt"),
+        ('{"nodes": 3}', 'not a ComfyUI workflow (no "nodes" list)'),
+    ],
+    ids=["missing", "text", "binary", "api_format", "other_json"],
+)
+def test_run_rejects_what_is_not_a_workflow(tmp_path, content, problem):
+    """One line on stderr naming the file and what is wrong, exit 2, no traceback."""
+    path = tmp_path / "input" / "my_workflow.json"
+    path.parent.mkdir()
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    r = _cli(tmp_path, "run", str(path), timeout=60)
+    assert r.returncode == 2 and not r.stdout
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"python -m qwen_turbo run: error: {path}: ") and problem in line
+
+
 def test_bench_without_cuda_runs_a_cpu_demonstration(tmp_path):
     r = _cli(tmp_path, "bench", "--size", "64")
     assert r.returncode == 0, r.stderr[-3000:]

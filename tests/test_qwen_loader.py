@@ -135,17 +135,52 @@ def test_fused_block_equals_comfy_block(dtype):
     block = _comfy_block(dtype)
     img, txt, temb, freqs = _block_inputs(128, dtype)
     fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked)
+    freqs = models.host_rope(freqs)  # as the host's model passes it
+    # Newer hosts' RoPE (comfy-kitchen) has no float64; float32 is far more exact than bf16.
+    wide = torch.float32 if hasattr(qm, "apply_rope1") else torch.float64
     with torch.inference_mode():
         out = fused(img, txt, None, temb, freqs)
         eager = block(img, txt, None, temb, freqs)
-        exact = _comfy_block(torch.float64)(*(t.double() for t in (img, txt)), None,
-                                            temb.double(), freqs.double())  # fmt: skip
+        exact = _comfy_block(wide)(*(t.to(wide) for t in (img, txt)), None,
+                                   temb.to(wide), freqs.to(wide))  # fmt: skip
     for o, e, x in zip(out, eager, exact, strict=True):
         assert o.dtype == dtype and o.isfinite().all()
         if dtype == torch.float32:
             torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
         else:
             assert_error_rule(o, x, e, atol=2 * torch.finfo(dtype).eps * x.abs().max().item())
+
+
+def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
+    """A text mask, attention patches and any argument the host adds (newer hosts pass
+    `timestep_zero_index`) run the block's own forward: its exact result, and a reason."""
+    import inspect
+
+    import comfy.ldm.qwen_image.model as qm
+
+    block = _comfy_block(torch.float32)
+    img, txt, temb, freqs = _block_inputs(128, torch.float32)
+    freqs = models.host_rope(freqs)
+    reasons = []
+    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
+    mask = torch.ones(1, txt.shape[1])
+    patch = {"patches": {"attn1_patch": [lambda q, k, v, **kw: {}]}}
+    calls = [((None,), {"transformer_options": patch}, "attn1_patch")]
+    if "encoder_hidden_states_mask" in inspect.signature(qm.Attention.forward).parameters:
+        calls.append(((mask,), {}, "text attention mask"))
+    if "timestep_zero_index" in inspect.signature(type(block).forward).parameters:
+        # Edit-2511's reference latents: the last 13 image tokens get the timestep-0 modulation
+        two = torch.cat([temb, torch.randn_like(temb)])
+        calls.append(((None,), {"temb": two, "timestep_zero_index": 24}, "timestep_zero_index"))
+    with torch.inference_mode():
+        for extra, kwargs, why in calls:
+            kwargs = {"temb": temb, "image_rotary_emb": freqs, **kwargs}
+            out = fused(img, txt, *extra, **kwargs)
+            want = block(img, txt, *extra, **kwargs)
+            for o, w in zip(out, want, strict=True):
+                torch.testing.assert_close(o, w, rtol=0, atol=0)
+            assert why in reasons[-1]
+    assert len(reasons) == len(calls)
 
 
 def test_fused_block_equals_diffusers_block():
@@ -213,18 +248,21 @@ def test_fp8_storage_is_scaled_and_close(narrow_sd):
     x, ctx = _inputs(cfg)
     ref = _forward(qwen_loader.build(dict(narrow_sd), cfg, "bf16"), x, ctx)
     patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn")
-    to_q = patcher.model.diffusion_model.transformer_blocks[0].attn.to_q
-    assert to_q.weight.dtype == FP8
-    for outside in ("img_in", "txt_in", "proj_out", "norm_out.linear"):  # kept in bf16
-        layer = comfy.utils.get_attr(patcher.model.diffusion_model, outside)
-        assert layer.weight.dtype == torch.bfloat16 and layer.scale_weight.item() == 1
+    model = patcher.model.diffusion_model
+    w8, scale = qwen_loader.fp8_parts(model.transformer_blocks[0].attn.to_q)
+    assert w8.dtype == FP8
     w = narrow_sd["transformer_blocks.0.attn.to_q.weight"].float()
-    torch.testing.assert_close(to_q.scale_weight.float(), w.abs().amax() * qwen_dit.HEADROOM / 448)
-    # Biases and norm gains (ComfyUI would build them in fp8 too) keep their bf16 bits.
-    for k, t in patcher.model.diffusion_model.state_dict().items():
-        if not k.endswith(("scale_weight", ".weight")) or k.endswith("norm_q.weight"):
-            assert t.dtype == torch.bfloat16, k
-            torch.testing.assert_close(t, narrow_sd[k], rtol=0, atol=0)
+    torch.testing.assert_close(scale.float(), w.abs().amax() * qwen_dit.HEADROOM / 448)
+    for outside in ("img_in", "txt_in", "proj_out", "norm_out.linear"):  # kept unquantized
+        layer = comfy.utils.get_attr(model, outside)
+        assert qwen_loader.fp8_parts(layer) is None or layer.scale_weight.item() == 1
+        assert layer.weight.dtype != FP8
+        torch.testing.assert_close(layer.weight.float(), narrow_sd[outside + ".weight"].float())
+    # Biases and norm gains (v0.3 would build them in fp8) keep their bf16 values.
+    for name, t in model.named_parameters():
+        if name.endswith(".bias") or ("norm" in name and not name.endswith("scale_weight")):
+            assert t.dtype in (torch.bfloat16, torch.float32), name
+            torch.testing.assert_close(t.float(), narrow_sd[name].float(), rtol=0, atol=0)
     out = _forward(patcher, x, ctx)
     assert out.isfinite().all() and 0 < _rel(out, ref) < 5e-2
     mm.unload_all_models()
@@ -248,6 +286,52 @@ def test_fp8_file_round_trips_through_bf16(narrow_sd):
     x, ctx = _inputs(cfg)
     torch.testing.assert_close(_forward(auto, x, ctx), _forward(bf16, x, ctx), rtol=2e-2, atol=2e-2)
     mm.unload_all_models()
+
+
+def test_fp8mixed_checkpoint_loads_as_stock_reads_it(diffusion_models):
+    """A `fp8mixed` file (newer ComfyUI's quantized layout): auto keeps its fp8 weights and
+    scales. On a host that reads it (mixed-precision ops), the result equals UNETLoader's;
+    there, the host's own quantized weights fail to load under inference_mode (why the
+    Optimized Loader keeps its own fp8 Linear)."""
+    import comfy.ops
+
+    path = models.qwen_dit_fp8mixed_file()
+    (diffusion_models / path.name).unlink(missing_ok=True)
+    (diffusion_models / path.name).symlink_to(path)
+    sd, cfg = qwen_loader.read_checkpoint(path)
+    assert not [k for k in sd if k.endswith((".comfy_quant", ".weight_scale"))]
+    patcher = qwen_loader.load(path.name)
+    assert patcher.qwen_turbo_weights == "fp8_e4m3fn"
+    w8, scale = qwen_loader.fp8_parts(
+        patcher.model.diffusion_model.transformer_blocks[0].img_mod[1]
+    )
+    mixed = load_file(str(path))
+    assert torch.equal(w8, mixed["transformer_blocks.0.img_mod.1.weight"])
+    assert torch.equal(scale, mixed["transformer_blocks.0.img_mod.1.weight_scale"])
+    x, ctx = _inputs(cfg, h=8, w=6, tokens=5)
+    ours = _forward(patcher, x, ctx)
+    bf16 = _forward(qwen_loader.build(qwen_dit.dequantize(sd, torch.bfloat16), cfg, "bf16"), x, ctx)
+    assert _rel(ours, bf16) < 1e-2
+    if hasattr(comfy.ops, "mixed_precision_ops"):
+        stock = comfy.sd.load_diffusion_model(str(path))
+        with pytest.raises(RuntimeError, match="version_counter for inference tensor"):
+            _forward(stock, x, ctx)
+        mm.unload_all_models()
+        want = stock.model.apply_model(  # unloaded, the model runs where it is
+            x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options={}
+        ).float()
+        assert _rel(ours, want) < 1e-5
+    mm.unload_all_models()
+
+
+def test_other_quantization_formats_get_a_clear_error(narrow_sd):
+    import json
+
+    sd = models.to_fp8mixed(qwen_dit.to_scaled_fp8(dict(narrow_sd)))
+    conf = json.dumps({"format": "nvfp4"}).encode()
+    sd["transformer_blocks.0.attn.to_q.comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
+    with pytest.raises(qwen_dit.NotQwenImageDiT, match="to_q is quantized as 'nvfp4'.*UNETLoader"):
+        qwen_dit.from_mixed(sd)
 
 
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
@@ -356,16 +440,18 @@ def test_fp8_fast_linear_on_gpu():
     w = torch.randn(3072, 3072, generator=g) / 3072**0.5
     bias = torch.randn(3072, generator=g) * 0.05
     sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16(), "l.bias": bias.bfloat16()},
-                                quantize=lambda k: True)  # fmt: skip
+                                    quantize=lambda k: True)  # fmt: skip
     linear = qwen_loader.fp8_ops(fast=True).Linear(3072, 3072, device="cuda")
     linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()})
-    assert linear.weight.dtype == FP8
+    w8, scale = qwen_loader.fp8_parts(linear)
+    assert w8.dtype == FP8
+    row = scale.float().reshape(1, 1).expand(1, 3072).contiguous()
     for rows in (257, 1):
         x = torch.randn(1, rows, 3072, generator=g).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             out = linear(x)
             want = F.linear(x.float(), w.cuda(), bias.cuda())
-            gemv = fp8_gemv(x, linear.weight, linear.scale_weight, linear.bias)
+            gemv = fp8_gemv(x, w8, row, linear.bias.to(x.dtype))
         assert out.isfinite().all() and _rel(out, want) < 5e-2
         assert (rows < qwen_loader.GEMV_ROWS) == torch.equal(out, gemv)
 
@@ -383,9 +469,10 @@ def test_fp8_fast_linears_of_one_input_on_gpu():
         sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16()}, quantize=lambda k, i=i: i < 2)
         linear = ops.Linear(3072, n, bias=False, device="cuda")
         linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()}, strict=False)
-        linear.weight.data = linear.weight.data.to(sd["l.weight"].dtype)
+        if qwen_loader.fp8_parts(linear) is None:
+            linear.weight.data = linear.weight.data.to(torch.bfloat16)
         linears.append(linear)
-    assert [lin.weight.dtype for lin in linears] == [FP8, FP8, torch.bfloat16]
+    assert [qwen_loader.fp8_parts(lin) is not None for lin in linears] == [True, True, False]
     for rows, chosen in ((257, linears[:2]), (1, linears[:2]), (257, linears)):
         x = torch.randn(1, rows, 3072, generator=g).to("cuda", torch.bfloat16)
         with torch.inference_mode():

@@ -1,11 +1,16 @@
 """Fused GroupNorm Patch and Texture Upsample on real ComfyUI VAEs, alone and composed."""
 
+import inspect
+import logging
+
 import comfy.model_management as mm
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nodes
+import qwen_turbo.runtime
 from qwen_turbo.kernels.channel_rms_norm_silu import ChannelRMSNormSiLU
 from qwen_turbo.kernels.group_norm_silu import GroupNormSiLU
 from qwen_turbo.kernels.upsample_conv3x3 import UpsampleConv3x3
@@ -14,6 +19,12 @@ from qwen_turbo.nodes.vae_tiling import VAEDecodeTiled
 from qwen_turbo.runtime import vae_patches
 
 TOL = 2 / 255
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    """Forget which reasons were logged once, so each test sees its own lines."""
+    monkeypatch.setattr(qwen_turbo.runtime, "_logged", set())
 
 
 def _decode(vae, latent):
@@ -103,7 +114,17 @@ def test_input_vae_is_never_changed(qwen_vae):
     assert len(_both(qwen_vae).patcher.object_patches) == len(patched.patcher.object_patches)
 
 
+def _causal_reference(conv, x, k, pad):
+    """A causal conv3d as the Wan VAE defines it: zero frames in front, none behind."""
+    k = (k,) * 3 if isinstance(k, int) else k
+    pad = (pad,) * 3 if isinstance(pad, int) else pad
+    xp = F.pad(x, (pad[2], pad[2], pad[1], pad[1], 2 * pad[0], 0))
+    return F.conv3d(xp, conv.weight, conv.bias)
+
+
 def test_single_frame_causal_conv_equals_conv3d():
+    """The patch runs one frame as conv2d; where the host already has its own single-frame
+    path, the patch is not built and the host's conv gives the same result."""
     from comfy.ldm.wan.vae import CausalConv3d
 
     g = torch.Generator().manual_seed(7)
@@ -112,10 +133,16 @@ def test_single_frame_causal_conv_equals_conv3d():
         with torch.no_grad():
             for p in conv.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
-        fwd = vae_patches.SingleFrameCausalConv(conv)
         x = torch.randn(2, 6, 1, 9, 11, generator=g)
+        ref = _causal_reference(conv, x, k, pad)
+        torch.testing.assert_close(conv(x), ref, rtol=1e-5, atol=1e-5)
+        patches, skipped = vae_patches.causal_conv_patches(nn.Sequential(conv))
+        if skipped:
+            assert patches == {} and skipped == [("0", vae_patches.HOST_SINGLE_FRAME)]
+            continue
+        fwd = patches["0.forward"]
         assert fwd.ok
-        torch.testing.assert_close(fwd(x), conv(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fwd(x), ref, rtol=1e-5, atol=1e-5)
         # two frames, or a cached frame, take the original path
         x2 = torch.randn(1, 6, 2, 4, 5, generator=g)
         torch.testing.assert_close(fwd(x2), conv(x2))
@@ -125,14 +152,106 @@ def test_single_frame_causal_conv_equals_conv3d():
         assert cache == [None]
 
 
-def test_causal_convs_keep_their_class_when_patched(qwen_vae):
+def test_causal_convs_keep_their_class_when_patched(qwen_vae, caplog):
     from comfy.ldm.wan.vae import CausalConv3d
 
-    patched = node.FusedNormPatch.execute(qwen_vae).result[0]
+    host_does_it = vae_patches._host_single_frame(qwen_vae.first_stage_model.decoder.conv1)
+    with caplog.at_level(logging.INFO):
+        patched = node.FusedNormPatch.execute(qwen_vae).result[0]
+        node.FusedNormPatch.execute(qwen_vae)
     mm.load_models_gpu([patched.patcher])
     conv1 = qwen_vae.first_stage_model.decoder.conv1
     assert isinstance(conv1, CausalConv3d)  # the Wan decoder dispatches on this
-    assert isinstance(conv1.forward, vae_patches.SingleFrameCausalConv)
+    assert isinstance(conv1.forward, vae_patches.SingleFrameCausalConv) != host_does_it
+    skips = [r for r in caplog.records if vae_patches.HOST_SINGLE_FRAME in r.getMessage()]
+    if host_does_it:  # not patched twice: one info line for all of them, once
+        assert len(skips) == 1 and skips[0].levelno == logging.INFO
+        assert not any(p.endswith(".forward") for p in patched.patcher.object_patches)
+    else:
+        assert skips == []
     mm.load_models_gpu([qwen_vae.patcher])
     assert not isinstance(qwen_vae.first_stage_model.decoder.conv1.forward,
                           vae_patches.SingleFrameCausalConv)  # fmt: skip
+
+
+def test_unrecognised_causal_conv_is_left_alone(qwen_vae, monkeypatch, caplog):
+    conv = qwen_vae.first_stage_model.decoder.conv1
+    monkeypatch.setattr(conv, "_padding", (1, 1, 1))  # neither layout this pack knows
+    with caplog.at_level(logging.INFO):
+        patched = node.FusedNormPatch.execute(qwen_vae).result[0]
+    assert "decoder.conv1.forward" not in patched.patcher.object_patches
+    (msg,) = [r.getMessage() for r in caplog.records if "unrecognised causal" in r.getMessage()]
+    assert "decoder.conv1 as it is" in msg
+
+
+def _host_upsample(cls=None):
+    from comfy.ldm.modules.diffusionmodules.model import Upsample
+
+    up = (cls or Upsample)(8, True)
+    with torch.no_grad():
+        for p in up.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    return up
+
+
+def test_texture_upsample_takes_the_host_upsample_call():
+    """The host's Upsample, with whatever extra arguments its forward takes (newer hosts:
+    conv_carry_in, conv_carry_out), passed as the host's decoder passes them for images."""
+    up = _host_upsample()
+    patches, skipped = vae_patches.upsample_patches(nn.ModuleDict({"up": up}))
+    assert not skipped and isinstance(patches["up"], UpsampleConv3x3)
+    extra = [None] * (len(inspect.signature(up.forward).parameters) - 1)
+    x = torch.randn(1, 8, 5, 7)
+    torch.testing.assert_close(patches["up"](x, *extra), up(x, *extra), rtol=1e-5, atol=1e-5)
+
+
+def test_upsample_with_an_unknown_forward_is_left_alone():
+    """A later host's Upsample (same class name) whose forward takes a new argument."""
+    from comfy.ldm.modules.diffusionmodules import model
+
+    class Upsample(model.Upsample):
+        def forward(self, x, mode="bilinear"):
+            return super().forward(x)
+
+    patches, skipped = vae_patches.upsample_patches(nn.ModuleDict({"up": _host_upsample(Upsample)}))
+    assert patches == {} and skipped == [
+        ("up", "Upsample.forward takes 'mode' not defaulting to None")
+    ]
+
+
+def test_norm_with_an_unknown_forward_is_left_alone():
+    """A later host's RMS_norm (same class name) whose forward takes a new argument."""
+    from comfy.ldm.wan import vae
+
+    class RMS_norm(vae.RMS_norm):
+        def forward(self, x, scale=None):
+            return super().forward(x)
+
+    model = nn.Sequential(RMS_norm(8, images=True), nn.SiLU(), nn.GroupNorm(2, 8), nn.SiLU())
+    patches, skipped = vae_patches.norm_patches(model)
+    assert skipped == [("0", "RMS_norm.forward takes 'scale'")]
+    assert list(patches) == ["2"] and "1" not in patches  # its SiLU stays too
+
+
+def test_unreadable_vae_is_returned_unpatched(qwen_vae, caplog):
+    def find(model, backups):
+        raise AttributeError("'Decoder3d' object has no attribute 'upsamples'")
+
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            out, n = node.patched_vae(qwen_vae, find)
+    assert n == 0 and out is not qwen_vae and not out.patcher.object_patches
+    (msg,) = [r.getMessage() for r in caplog.records if "returned unpatched" in r.getMessage()]
+    assert "AttributeError" in msg
+
+
+def test_skipped_modules_log_one_line_per_reason(qwen_vae, caplog):
+    skipped = [(f"decoder.m{i}", "a reason") for i in range(5)] + [("decoder.x", "another")]
+    with caplog.at_level(logging.INFO):
+        node.patched_vae(qwen_vae, lambda model, backups: ({}, skipped))
+    lines = [r.getMessage() for r in caplog.records if "Qwen Turbo: left" in r.getMessage()]
+    assert lines == [
+        "Qwen Turbo: left 5 modules (decoder.m0, decoder.m1, decoder.m2, ...) as they are: "
+        "a reason",
+        "Qwen Turbo: left decoder.x as it is: another",
+    ]

@@ -1,24 +1,48 @@
 """VAE Tiling: exact against an untiled decode, for the Qwen/Wan VAE and AutoencoderKL."""
 
+import logging
+
 import comfy.model_management as mm
 import pytest
 import torch
+from torch import nn
 
+import qwen_turbo.runtime
+from qwen_turbo.nodes import report
 from qwen_turbo.nodes import vae_tiling as node
 from qwen_turbo.runtime import vae_tiling
 from tests.harness import models
 
 TOL = 2 / 255  # images in 0..1
+FALLBACK = "using ComfyUI's VAE decode"
+
+
+_sent: list[dict] = []  # what node runs sent to the frontend badge
+
+
+@pytest.fixture(autouse=True)
+def badges(monkeypatch, caplog):
+    """Capture the badge data; start from a fresh log-once record."""
+    _sent.clear()
+    monkeypatch.setattr(report, "send", lambda node_id, data: _sent.append(data))
+    monkeypatch.setattr(qwen_turbo.runtime, "_logged", set())
+    caplog.set_level(logging.INFO)
 
 
 def _latent(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _tiled(vae, latent, tile_size=0, budget_gb=0.0):
+def _tiled(vae, latent, tile_size=0, budget_gb=0.0, tiled=True):
     out = node.VAEDecodeTiled.execute({"samples": latent}, vae, tile_size, budget_gb).result[0]
     assert torch.isfinite(out).all()
+    # the badge says whether it fell back to ComfyUI's decode: the tiled path really ran
+    assert ("fallback" not in _sent[-1]) == tiled, _sent[-1].get("fallback")
     return out
+
+
+def _fallbacks(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if FALLBACK in r.getMessage()]
 
 
 def _stock(vae, latent):
@@ -73,9 +97,87 @@ def test_unsupported_latent_falls_back_to_stock_decode(qwen_vae, caplog):
     z = _latent((1, 16, 2, 6, 7), 3)  # two frames: not tiled, decoded by ComfyUI
     with pytest.raises(NotImplementedError, match="T != 1"):
         vae_tiling.decoder_ops(qwen_vae.first_stage_model, z)
-    out = _tiled(qwen_vae, z, 16)
+    out = _tiled(qwen_vae, z, 16, tiled=False)
+    _tiled(qwen_vae, z, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, z))
-    assert "using ComfyUI's VAE decode" in caplog.text
+    assert len(_fallbacks(caplog)) == 1 and "T != 1" in _fallbacks(caplog)[0]  # logged once
+
+
+class _Wrapped(nn.Module):
+    """A conv behind a module VAE Tiling does not know; ComfyUI's decode just calls it."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.inner = conv
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_unrecognised_autoencoder_kl_layer_decodes_stock(sd_vae, monkeypatch, caplog):
+    dec = sd_vae.first_stage_model.decoder
+    monkeypatch.setattr(dec, "conv_in", _Wrapped(dec.conv_in))
+    z = _latent((1, 4, 5, 6), 7)
+    with pytest.raises(NotImplementedError, match="conv_in is a _Wrapped"):
+        vae_tiling.decoder_ops(sd_vae.first_stage_model, z)
+    for _ in range(2):
+        out = _tiled(sd_vae, z, 16, tiled=False)
+    torch.testing.assert_close(out, _stock(sd_vae, z))
+    (msg,) = _fallbacks(caplog)
+    assert "conv_in is a _Wrapped" in msg
+
+
+def test_unrecognised_wan_block_layout_decodes_stock(qwen_vae, monkeypatch, caplog):
+    block = qwen_vae.first_stage_model.decoder.middle[0]
+    monkeypatch.delattr(block, "in_dim")  # its forward does not read it; the ops do
+    z = _latent((1, 16, 1, 5, 6), 8)
+    with pytest.raises(NotImplementedError, match="Decoder3d layout .AttributeError"):
+        vae_tiling.decoder_ops(qwen_vae.first_stage_model, z)
+    torch.testing.assert_close(_tiled(qwen_vae, z, 16, tiled=False), _stock(qwen_vae, z))
+    assert len(_fallbacks(caplog)) == 1
+
+
+def test_wan_layer_needing_more_arguments_is_not_tiled(qwen_vae, monkeypatch):
+    up = qwen_vae.first_stage_model.decoder.upsamples[3]
+
+    def forward(x, feat_cache, feat_idx=None):  # a host that always passes the cache
+        return type(up).forward(up, x)
+
+    monkeypatch.setattr(up, "forward", forward)
+    with pytest.raises(NotImplementedError, match="needs 'feat_cache'"):
+        vae_tiling.decoder_ops(qwen_vae.first_stage_model, _latent((1, 16, 1, 4, 4), 9))
+
+
+def test_decoder_failing_mid_decode_falls_back_to_stock(qwen_vae, monkeypatch, caplog):
+    def execute(*a, **k):  # a module called in a way this host's does not take
+        raise TypeError("forward() missing 1 required positional argument: 'feat_cache'")
+
+    monkeypatch.setattr(vae_tiling, "execute", execute)
+    z = _latent((1, 16, 1, 5, 6), 10)
+    out = _tiled(qwen_vae, z, 16, tiled=False)
+    torch.testing.assert_close(out, _stock(qwen_vae, z))
+    (msg,) = _fallbacks(caplog)
+    assert "does not run tile by tile (TypeError" in msg
+
+
+def test_latent_batch_norm_vae_matches_untiled():
+    """Flux 2's VAE: a latent batch norm and 2x2 unpatchify before the AutoencoderKL decoder,
+    on hosts that have it (its state dict loads without it elsewhere)."""
+    import comfy.sd
+
+    sd = models.random_state_dict(models.sd_vae_module(4), seed=3)
+    g = torch.Generator().manual_seed(4)
+    sd["bn.running_mean"] = torch.randn(16, generator=g)
+    sd["bn.running_var"] = torch.rand(16, generator=g) + 0.5
+    sd["bn.num_batches_tracked"] = torch.tensor(10)
+    vae = comfy.sd.VAE(sd=sd)
+    if getattr(vae.first_stage_model, "bn", None) is None:
+        pytest.skip("this ComfyUI has no latent batch norm")
+    z = _latent((1, vae.latent_channels, 5, 7), 11) * 2
+    ref = _stock(vae, z)
+    assert ref.shape == (1, 80, 112, 3) and ref.std() > 0.05
+    assert _max_tiles(vae, z, 24, 0) > 1
+    assert (_tiled(vae, z, 24) - ref).abs().max() <= TOL
 
 
 def test_out_of_memory_retries_with_a_smaller_budget(qwen_vae, monkeypatch):

@@ -1,8 +1,12 @@
-"""The bundled workflows: each validates at full size against the real server's /object_info,
-and runs end to end on the tiny random models through the real executor (the text encoder
-replaced by the test conditioning node, sizes and steps scaled down for CPU)."""
+"""The bundled workflows: each passes the frontend's schema rules, validates at full size
+against the real server's /object_info, and runs end to end on the tiny random models through
+the real executor (the text encoder replaced by the test conditioning node, sizes and steps
+scaled down for CPU)."""
 
 import json
+import re
+import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,14 @@ LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
 # Full-size side -> CPU side (latent 8x smaller; both multiples of 16).
 SCALED = {2512: 64, 1328: 32}
+# What the frontend's zod schema for workflow version 0.4 requires (workflowSchema.ts:
+# zComfyWorkflow and zComfyNode); test_schema_rules_are_the_frontends checks them against the
+# installed frontend. Its `id` is optional, but must be a UUID when present.
+REQUIRED = {
+    "workflow": {"last_node_id", "last_link_id", "nodes", "links", "version"},
+    "node": {"id", "type", "pos", "size", "flags", "order", "mode", "properties"},
+}
+ALL_UI = [*WORKFLOWS, *sorted((ROOT / "tests" / "workflows").glob("*.json"))]
 
 
 def test_every_expected_workflow_is_bundled():
@@ -27,6 +39,68 @@ def test_every_expected_workflow_is_bundled():
         "qwen_image_2512_hires_2512px.json",
         "qwen_image_2512_t2i_1328px.json",
     }
+
+
+@pytest.mark.parametrize("path", ALL_UI, ids=lambda p: p.stem)
+def test_workflow_passes_the_frontends_schema(path):
+    """The rules of the frontend's zod schema (see REQUIRED); a miss is an alert on loading."""
+    ui = json.loads(path.read_text())
+    assert str(uuid.UUID(ui["id"])) == ui["id"] and uuid.UUID(ui["id"]).version == 4
+    assert REQUIRED["workflow"] <= ui.keys() and ui["version"] == 0.4
+    number = (int, float)
+    assert isinstance(ui["last_node_id"], int) and isinstance(ui["last_link_id"], number)
+    for node in ui["nodes"]:
+        assert REQUIRED["node"] <= node.keys(), node.get("id")
+        assert all(len(node[k]) == 2 and all(isinstance(v, number) for v in node[k])
+                   for k in ("pos", "size")), node["id"]  # fmt: skip
+        for model in node["properties"].get("models", []):
+            assert {"name", "url", "directory"} <= model.keys()
+            assert model["url"].startswith("https://")
+    kinds = (int, int, int, int, int, str)
+    assert all(len(link) == 6 and all(map(isinstance, link, kinds)) for link in ui["links"])
+
+
+def _zod_object(source: str, name: str) -> dict[str, str]:
+    """Field -> zod expression, for the object literal that `const <name> =` defines."""
+    start = source.index("{", re.search(rf"const {name} =", source).end()) + 1
+    fields, depth, entry = {}, 0, ""
+    for ch in source[start:]:
+        if depth == 0 and ch in ",}":
+            key, _, expr = entry.partition(":")
+            if key.strip():
+                fields[key.strip()] = expr.strip()
+            if ch == "}":
+                return fields
+            entry = ""
+            continue
+        depth += (ch in "([{") - (ch in ")]}")
+        entry += ch
+    raise ValueError(f"{name}: unterminated object")
+
+
+def test_schema_rules_are_the_frontends():
+    """REQUIRED is what the installed frontend's workflowSchema.ts requires: read from the
+    source maps that comfyui_frontend_package ships."""
+    frontend = pytest.importorskip("comfyui_frontend_package")
+    maps = Path(frontend.__file__).parent.glob("static/assets/*.js.map")
+    source = None
+    for path in maps:
+        text = path.read_text(errors="replace")
+        if "workflowSchema.ts" in text:
+            found = json.loads(text)
+            named = zip(found["sources"], found["sourcesContent"], strict=True)
+            source = next((s for n, s in named if n.endswith("/workflowSchema.ts")), None)
+            if source:
+                break
+    if source is None:
+        pytest.skip("the installed frontend ships no source map holding workflowSchema.ts")
+    source = re.sub(r"/\*.*?\*/|^\s*//[^\n]*", "", source, flags=re.S | re.M)  # comments
+    workflow = _zod_object(source, "zBaseExportableGraph") | _zod_object(source, "zComfyWorkflow")
+    node = _zod_object(source, "zComfyNode")
+    optional = re.compile(r"\.(optional|nullish)\(\)")
+    assert {k for k, v in workflow.items() if not optional.search(v)} == REQUIRED["workflow"]
+    assert {k for k, v in node.items() if not optional.search(v)} == REQUIRED["node"]
+    assert ".uuid()" in workflow["id"]
 
 
 def test_workflows_are_in_the_templates_menu(comfy_server):

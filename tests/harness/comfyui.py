@@ -96,13 +96,17 @@ class ComfyServer:
         )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
-                return json.loads(r.read())
+                data = r.read()
+                return json.loads(data) if data else None  # /settings answers with no body
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode()}") from e
 
-    def run(self, prompt: dict, timeout: float = 600.0) -> dict:
-        """Queue an API-format prompt and wait; returns its history entry."""
-        pid = self.post("/prompt", {"prompt": prompt, "client_id": "qwen-turbo-tests"})["prompt_id"]
+    def run(
+        self, prompt: dict, timeout: float = 600.0, client_id: str = "qwen-turbo-tests"
+    ) -> dict:
+        """Queue an API-format prompt and wait; returns its history entry. Progress messages
+        go to the websocket client `client_id` (a browser page's, to see them there)."""
+        pid = self.post("/prompt", {"prompt": prompt, "client_id": client_id})["prompt_id"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             hist = self.get(f"/history/{pid}")

@@ -154,6 +154,42 @@ def _lora_file(name: str, module, seed: int, rank: int = 4) -> Path:
     return path
 
 
+def to_fp8mixed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A scaled-fp8 state dict (`qwen_dit.to_scaled_fp8`) as newer ComfyUI's `fp8mixed`
+    checkpoints store it: fp8 weights with `weight_scale` and a `comfy_quant` JSON entry."""
+    conf = list(json.dumps({"format": "float8_e4m3fn"}).encode())
+    out = {}
+    for k, t in sd.items():
+        if not k.endswith(".scale_weight"):
+            out[k] = t
+        elif sd[k[: -len("scale_weight")] + "weight"].dtype == torch.float8_e4m3fn:
+            layer = k[: -len(".scale_weight")]
+            out[layer + ".weight_scale"] = t.float()
+            out[layer + ".comfy_quant"] = torch.tensor(conf, dtype=torch.uint8)
+    return out
+
+
+def qwen_dit_fp8mixed_file(seed: int = 0) -> Path:
+    """The full-width one-layer DiT as an `fp8mixed` checkpoint (fp8 weights in the blocks)."""
+    from qwen_turbo.runtime import qwen_dit
+
+    path = cache_dir() / f"qwen_image_dit_1layer_fp8mixed-v{VERSION}-s{seed}.safetensors"
+    if not path.exists():
+        sd = to_fp8mixed(qwen_dit.to_scaled_fp8(load_file(str(qwen_dit_file(seed)))))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(sd, str(tmp))
+        tmp.replace(path)
+    return path
+
+
+def host_rope(freqs: torch.Tensor) -> torch.Tensor:
+    """A (B, L, 1, Dh/2, 2, 2) RoPE table (ComfyUI v0.3's layout) in the layout the host's Qwen
+    block takes: newer hosts apply it to (B, H, L, Dh) and take (B, 1, L, Dh/2, 2, 2)."""
+    import comfy.ldm.qwen_image.model as qm
+
+    return freqs.transpose(1, 2) if hasattr(qm, "apply_rope1") else freqs
+
+
 def models_tree(root: Path) -> Path:
     """A ComfyUI models/ folder: the tiny DiTs (full width, narrow, the narrow one as a
     diffusers folder), the VAE and a LoRA."""

@@ -333,17 +333,29 @@ def test_fallback_on_cpu(fresh_log, dtype, bias, gelu_input):
     assert_logged_once(fresh_log, OP, "fp8 GEMMs need a CUDA GPU, not cpu")
 
 
-def test_fallback_matches_comfyui_scaled_fp8_linear():
-    """The fallback is ComfyUI's own scaled-fp8 Linear (comfy.ops.scaled_fp8_ops) bit for bit
-    when x has more elements than the weight (the image stream). With fewer (a short text
-    stream: 256 tokens for a 3072 x 3072 weight) ComfyUI scales x instead of the weight,
-    F.linear(x * scale, weight, bias), which rounds differently; the fallback keeps one form."""
+def _scaled_fp8_linears():
+    """The scaled-fp8 Linears the reference must match: the Optimized Loader's (every host)
+    and ComfyUI v0.3's own (comfy.ops.scaled_fp8_ops, gone from newer hosts)."""
     import comfy.ops
 
-    ops = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
+    from qwen_turbo.runtime.qwen_loader import Fp8Linear
+
+    out = [Fp8Linear]
+    if hasattr(comfy.ops, "scaled_fp8_ops"):
+        ops = comfy.ops.scaled_fp8_ops(fp8_matrix_mult=False, scale_input=False, override_dtype=FP8)
+        out.append(ops.Linear)
+    return out
+
+
+@pytest.mark.parametrize("linear_cls", _scaled_fp8_linears(), ids=lambda c: c.__module__)
+def test_fallback_matches_scaled_fp8_linear(linear_cls):
+    """The fallback is the scaled-fp8 Linear's bf16 path bit for bit when x has more elements
+    than the weight (the image stream). With fewer (a short text stream: 256 tokens for a
+    3072 x 3072 weight) that Linear scales x instead of the weight, F.linear(x * scale,
+    weight, bias), which rounds differently; the fallback keeps one form."""
     x, weight, scale_weight, b = _linear_inputs((2, 65), 48, 64, torch.bfloat16, seed=10)
     assert x.numel() > weight.numel()
-    linear = ops.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    linear = linear_cls(64, 48, bias=True, dtype=torch.bfloat16)
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     linear.bias = torch.nn.Parameter(b, requires_grad=False)
     linear.scale_weight = torch.nn.Parameter(scale_weight, requires_grad=False)

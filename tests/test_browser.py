@@ -1,0 +1,131 @@
+"""The bundled workflows in a real browser: Debian's chromium, driven by Playwright, on the
+frontend the real ComfyUI server (tests/harness) serves.
+
+Each workflow is opened from the templates menu as a user opens it (Templates -> qwen_turbo ->
+the workflow's card; the frontend then fetches it and calls app.loadGraphData, which validates
+it against its zod schema). One then runs on the tiny models and the pack's badges must show
+on its nodes, drawn on the canvas. Skipped, with the reason, without playwright or chromium.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qwen_turbo.runtime.workflow import ui_to_api
+from tests.test_workflows import WORKFLOWS, scaled_for_cpu
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+)
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+if not Path(CHROMIUM).is_file():
+    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+# Playwright's own browser download is out of reach; Debian's chromium runs headless instead.
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+RUN = "qwen_image_2512_t2i_1328px"  # the one queued on the tiny models (the fastest on CPU)
+BADGE = re.compile(r"^\d+\.\d\d s · peak VRAM (\d+\.\d\d GiB|n/a \(no CUDA\))")
+# Records what the canvas draws that looks like a badge, to check it is on screen.
+RECORD_BADGES = """
+const fillText = CanvasRenderingContext2D.prototype.fillText;
+window.qwenTurboDrawn = new Set();
+CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {
+  if (typeof text === "string" && text.includes(" s · ")) window.qwenTurboDrawn.add(text);
+  return fillText.call(this, text, ...rest);
+};
+"""
+
+
+def _from_pack_js(*texts: str) -> bool:
+    """An error raised in js/qwen_turbo.js, or one the frontend logs for its extensions."""
+    return any("qwen_turbo.js" in t or "QwenTurbo." in t for t in texts)
+
+
+@pytest.fixture(scope="module")
+def page(comfy_server):
+    """The ComfyUI frontend, loaded; page.pack_errors collects errors from the pack's JS."""
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.pack_errors = []
+        page.on("console", lambda m: m.type == "error" and _from_pack_js(
+            m.text, m.location.get("url", "")) and page.pack_errors.append(m.text))  # fmt: skip
+        page.on("pageerror", lambda e: _from_pack_js(e.stack or "", str(e))
+                and page.pack_errors.append(e.stack))  # fmt: skip
+        page.add_init_script(RECORD_BADGES)
+        # A returning user: no first-run templates dialog (frontend 1.49) racing the clicks.
+        comfy_server.post("/settings/Comfy.TutorialCompleted", True)
+        page.goto(comfy_server.url)
+        page.wait_for_function("window.app?.graph && window.LiteGraph", timeout=60_000)
+        assert not page.pack_errors, page.pack_errors
+        yield page
+        browser.close()
+
+
+def open_template(page, name: str) -> dict:
+    """Open a bundled workflow from the templates menu; returns its JSON. Clears
+    page.pack_errors, so that each test sees its own."""
+    page.pack_errors.clear()
+    ui = json.loads(next(p for p in WORKFLOWS if p.stem == name).read_text())
+    dialog = page.get_by_role("dialog")
+    if dialog.count():
+        page.keyboard.press("Escape")  # the missing-models dialog of frontend 1.27
+        sync_api.expect(dialog).to_have_count(0)
+    page.get_by_text("Templates", exact=True).first.click()  # the sidebar's button
+    dialog.get_by_text("qwen_turbo", exact=True).click()
+    dialog.get_by_text(name, exact=True).click()
+    types = sorted(n["type"] for n in ui["nodes"])
+    page.wait_for_function(
+        "types => JSON.stringify(app.graph.nodes.map(n => n.type).sort()) === types",
+        arg=json.dumps(types, separators=(",", ":")),
+    )
+    page.wait_for_timeout(500)  # let toasts and dialogs render
+    return ui
+
+
+@pytest.mark.parametrize("name", [p.stem for p in WORKFLOWS])
+def test_template_opens_cleanly(page, name):
+    open_template(page, name)
+    toasts = page.locator(".p-toast-message").all_inner_texts()
+    assert not toasts, toasts  # e.g. "Invalid workflow against zod schema"
+    missing = page.evaluate(
+        "app.graph.nodes.map(n => n.type).filter(t => !(t in LiteGraph.registered_node_types))"
+    )
+    assert not missing, f"node types the frontend lacks: {missing}"
+    dialogs = [d for d in page.get_by_role("dialog").all_inner_texts() if d.strip()]
+    # The full-size model files are absent here; the frontend offers their downloads.
+    assert all(d.startswith("Missing Models") for d in dialogs), dialogs
+    assert not page.pack_errors
+
+
+def test_run_shows_badges(page, comfy_server, tmp_path):
+    ui = open_template(page, RUN)
+    if page.get_by_role("dialog").count():
+        page.keyboard.press("Escape")  # the missing-models dialog of frontend 1.27
+    api = scaled_for_cpu(ui_to_api(ui, comfy_server.get("/object_info")))
+    for node in api.values():
+        if "seed" in node["inputs"]:
+            node["inputs"]["seed"] = 20260  # not test_workflows' seed: the sampler must run
+    entry = comfy_server.run(api, client_id=page.evaluate("app.api.clientId"))
+    cached = {n for kind, m in entry["status"]["messages"] if kind == "execution_cached"
+              for n in m["nodes"]}  # fmt: skip
+    ran = [str(n["id"]) for n in ui["nodes"]
+           if n["type"].startswith("QwenTurbo") and str(n["id"]) not in cached]  # fmt: skip
+    sampler = next(str(n["id"]) for n in ui["nodes"] if n["type"] == "QwenTurboCUDAGraphSampler")
+    assert sampler in ran
+    page.wait_for_function(
+        "ids => ids.every(id => "
+        "window.qwenTurboDrawn.has(app.graph.getNodeById(+id)?.qwenTurboBadge))",
+        arg=ran,
+        timeout=10_000,
+    )
+    badges = page.evaluate("ids => ids.map(id => app.graph.getNodeById(+id).qwenTurboBadge)", ran)
+    assert all(BADGE.match(b) for b in badges), badges
+    shot = tmp_path / f"{RUN}_badges.png"
+    page.screenshot(path=shot)
+    print(f"screenshot: {shot}")
+    assert not page.pack_errors
