@@ -46,11 +46,14 @@ app.registerExtension({
       ctx.font = "11px sans-serif";
       const w = ctx.measureText(this.qwenTurboBadge).width + 12;
       ctx.fillStyle = "#0b6e4f";
+      // Under the node: the frontend draws its own badges (the pack's name, the node id)
+      // right-aligned above the title, where a wide badge would cover them.
+      const y = this.size[1] + 4;
       ctx.beginPath();
-      ctx.roundRect?.(0, -LiteGraph.NODE_TITLE_HEIGHT - 22, w, 18, 4);
+      ctx.roundRect?.(0, y, w, 18, 4);
       ctx.fill();
       ctx.fillStyle = "#fff";
-      ctx.fillText(this.qwenTurboBadge, 6, -LiteGraph.NODE_TITLE_HEIGHT - 9);
+      ctx.fillText(this.qwenTurboBadge, 6, y + 13);
       ctx.restore();
     };
   },

@@ -4,10 +4,15 @@ frontend the real ComfyUI server (tests/harness) serves.
 Each workflow is opened from the templates menu as a user opens it (Templates -> qwen_turbo ->
 the workflow's card; the frontend then fetches it and calls app.loadGraphData, which validates
 it against its zod schema). One then runs on the tiny models and the pack's badges must show
-on its nodes, drawn on the canvas. Skipped, with the reason, without playwright or chromium.
+on its nodes, drawn on the canvas; the screenshot is kept (under $QWEN_TURBO_ARTIFACTS if set,
+as .ci/run sets it, else in the test's tmp_path) and its path printed.
+
+Skipped, with the reason, without playwright or chromium; but where QWEN_TURBO_BROWSER is
+"required" (.ci/run sets it once chromium is installed) they must be there and it fails instead.
 """
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -17,16 +22,29 @@ import pytest
 from qwen_turbo.runtime.workflow import ui_to_api
 from tests.test_workflows import WORKFLOWS, scaled_for_cpu
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
-)
+REQUIRED = os.environ.get("QWEN_TURBO_BROWSER") == "required"
+
+
+def _unavailable(reason: str):
+    if REQUIRED:
+        raise RuntimeError(f"QWEN_TURBO_BROWSER=required, but {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+
+try:
+    from playwright import sync_api
+except ImportError:
+    _unavailable("playwright is not installed (pip install playwright)")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).is_file():
-    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+    _unavailable(f"no chromium at {CHROMIUM} (as root: apt-get install chromium)")
 
 # Playwright's own browser download is out of reach; Debian's chromium runs headless instead.
+# --disable-dev-shm-usage: containers often have a small /dev/shm, which crashes the renderer.
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+        "--disable-component-update", "--disable-sync", "--no-first-run",
+        "--disable-dev-shm-usage"]  # fmt: skip
+TIMEOUT_MS = 60_000  # for each wait and click: two slow cores, the frontend's first load
 RUN = "qwen_image_2512_t2i_1328px"  # the one queued on the tiny models (the fastest on CPU)
 BADGE = re.compile(r"^\d+\.\d\d s · peak VRAM (\d+\.\d\d GiB|n/a \(no CUDA\))")
 # Records what the canvas draws that looks like a badge, to check it is on screen.
@@ -39,6 +57,18 @@ CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {
 };
 """
 
+# Pairs of nodes whose boxes (title bar included), at the size the frontend gives them, overlap.
+OVERLAPS = """() => {
+  const h = LiteGraph.NODE_TITLE_HEIGHT, nodes = app.graph.nodes, found = [];
+  const box = (n) => [n.pos[0], n.pos[1] - h, n.pos[0] + n.size[0], n.pos[1] + n.size[1]];
+  nodes.forEach((n, i) => nodes.slice(i + 1).forEach((m) => {
+    const [a, b] = [box(n), box(m)];
+    const hit = a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3];
+    if (hit) found.push(`${n.title} / ${m.title}`);
+  }));
+  return found;
+}"""
+
 
 def _from_pack_js(*texts: str) -> bool:
     """An error raised in js/qwen_turbo.js, or one the frontend logs for its extensions."""
@@ -49,9 +79,14 @@ def _from_pack_js(*texts: str) -> bool:
 def page(comfy_server):
     """The ComfyUI frontend, loaded; page.pack_errors collects errors from the pack's JS."""
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, timeout=TIMEOUT_MS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        sync_api.expect.set_options(timeout=TIMEOUT_MS)
         page.pack_errors = []
+        # window.alert/confirm: Playwright would dismiss them unseen; record them as errors.
+        page.alerts = []
+        page.on("dialog", lambda d: (page.alerts.append(f"{d.type}: {d.message}"), d.dismiss()))
         page.on("console", lambda m: m.type == "error" and _from_pack_js(
             m.text, m.location.get("url", "")) and page.pack_errors.append(m.text))  # fmt: skip
         page.on("pageerror", lambda e: _from_pack_js(e.stack or "", str(e))
@@ -60,16 +95,18 @@ def page(comfy_server):
         # A returning user: no first-run templates dialog (frontend 1.49) racing the clicks.
         comfy_server.post("/settings/Comfy.TutorialCompleted", True)
         page.goto(comfy_server.url)
-        page.wait_for_function("window.app?.graph && window.LiteGraph", timeout=60_000)
+        page.wait_for_function("window.app?.graph && window.LiteGraph")
         assert not page.pack_errors, page.pack_errors
+        assert not page.alerts, page.alerts
         yield page
         browser.close()
 
 
 def open_template(page, name: str) -> dict:
     """Open a bundled workflow from the templates menu; returns its JSON. Clears
-    page.pack_errors, so that each test sees its own."""
+    page.pack_errors and page.alerts, so that each test sees its own."""
     page.pack_errors.clear()
+    page.alerts.clear()
     ui = json.loads(next(p for p in WORKFLOWS if p.stem == name).read_text())
     dialog = page.get_by_role("dialog")
     if dialog.count():
@@ -92,6 +129,9 @@ def test_template_opens_cleanly(page, name):
     open_template(page, name)
     toasts = page.locator(".p-toast-message").all_inner_texts()
     assert not toasts, toasts  # e.g. "Invalid workflow against zod schema"
+    assert not page.alerts, page.alerts
+    overlaps = page.evaluate(OVERLAPS)
+    assert not overlaps, f"nodes drawn over each other: {overlaps}"
     missing = page.evaluate(
         "app.graph.nodes.map(n => n.type).filter(t => !(t in LiteGraph.registered_node_types))"
     )
@@ -110,7 +150,7 @@ def test_run_shows_badges(page, comfy_server, tmp_path):
     for node in api.values():
         if "seed" in node["inputs"]:
             node["inputs"]["seed"] = 20260  # not test_workflows' seed: the sampler must run
-    entry = comfy_server.run(api, client_id=page.evaluate("app.api.clientId"))
+    entry = comfy_server.run(api, timeout=300, client_id=page.evaluate("app.api.clientId"))
     cached = {n for kind, m in entry["status"]["messages"] if kind == "execution_cached"
               for n in m["nodes"]}  # fmt: skip
     ran = [str(n["id"]) for n in ui["nodes"]
@@ -121,11 +161,14 @@ def test_run_shows_badges(page, comfy_server, tmp_path):
         "ids => ids.every(id => "
         "window.qwenTurboDrawn.has(app.graph.getNodeById(+id)?.qwenTurboBadge))",
         arg=ran,
-        timeout=10_000,
+        timeout=30_000,
     )
     badges = page.evaluate("ids => ids.map(id => app.graph.getNodeById(+id).qwenTurboBadge)", ran)
     assert all(BADGE.match(b) for b in badges), badges
-    shot = tmp_path / f"{RUN}_badges.png"
+    artifacts = Path(os.environ.get("QWEN_TURBO_ARTIFACTS") or tmp_path)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shot = artifacts / f"{RUN}_badges.png"
     page.screenshot(path=shot)
     print(f"screenshot: {shot}")
     assert not page.pack_errors
+    assert not page.alerts, page.alerts
