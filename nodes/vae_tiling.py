@@ -30,9 +30,32 @@ def _free_memory(vae, device) -> int:
     return free(device) if callable(free) else mm.get_free_memory(device)
 
 
-def _auto_budget(vae, device) -> int:
-    free = _free_memory(vae, device)
-    return int(max(GiB // 4, free - max(GiB // 2, free // 10)))
+# What the automatic budget asks ComfyUI to make room for: a 2512² Qwen decode runs at full
+# speed in it (benchmarks/RESULTS.md). Smaller decodes ask for what stock would.
+AUTO_REQUEST = 4 * GiB
+
+
+def _request(vae, latent, budget: int) -> int:
+    """The VRAM to ask ComfyUI's memory manager for: the budget, else AUTO_REQUEST or stock
+    VAEDecode's own estimate where that is smaller."""
+    if budget:
+        return budget
+    estimate = getattr(vae, "memory_used_decode", None)
+    stock = estimate(latent.shape, vae.vae_dtype) if callable(estimate) else AUTO_REQUEST
+    return int(min(stock, AUTO_REQUEST))
+
+
+def _make_room(vae, memory_required: int) -> None:
+    """Load the VAE through ComfyUI, which first unloads or offloads other models (a DiT
+    partly, where that suffices) until `memory_required` and its own reserve are free."""
+    mm.load_models_gpu(
+        [vae.patcher], memory_required=memory_required, force_full_load=vae.disable_offload
+    )
+
+
+def _auto_budget(vae, device, request: int) -> int:
+    """What ComfyUI counts as free, less its own reserve; at least what was asked for."""
+    return int(max(request, _free_memory(vae, device) - mm.extra_reserved_memory()))
 
 
 def _is_oom(e: Exception) -> bool:
@@ -59,8 +82,9 @@ def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | Non
     """The decoder's output (B, C, [T,] H, W) on the VAE's device, or None where the decoder
     is not one VAE Tiling knows (the reason is in info["fallback"])."""
     budget = int(budget_gb * GiB)
+    request = _request(vae, latent, budget)
     # load first: the op list must hold the modules of this VAE's (possibly patched) tree
-    mm.load_models_gpu([vae.patcher], memory_required=budget, force_full_load=vae.disable_offload)
+    _make_room(vae, request)
     try:
         ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
     except NotImplementedError as e:
@@ -68,7 +92,7 @@ def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | Non
         return None
 
     device = vae.device
-    budget = budget or _auto_budget(vae, device)
+    budget = budget or _auto_budget(vae, device, request)
     x = latent.to(device=device, dtype=vae.vae_dtype)
     for attempt in range(3):
         plan = vae_tiling.plan_decode(ops, tuple(x.shape), vae.vae_dtype, budget, tile_size)
@@ -95,6 +119,7 @@ def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | Non
             )
         budget //= 4
         tile_size = tile_size // 2
+        _make_room(vae, budget)  # something grew since: ComfyUI frees what it can again
         _warn_once(f"VAE Tiling: out of memory; retrying with a {budget / GiB:.2f} GiB budget")
     return None  # not reached
 
@@ -163,8 +188,10 @@ class VAEDecodeTiled(io.ComfyNode):
                     max=1024.0,
                     step=0.25,
                     optional=True,
-                    tooltip="VRAM the decode may use on top of the VAE weights; 0 = free memory "
-                    "minus a margin. A smaller budget means smaller tiles and a slower decode.",
+                    tooltip="VRAM the decode may use on top of the VAE weights; ComfyUI unloads "
+                    "or offloads other models to make room for it. 0 = automatic: room for up "
+                    "to 4 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
+                    "budget means smaller tiles and a slower decode.",
                 ),
             ],
             outputs=[io.Image.Output()],

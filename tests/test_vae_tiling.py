@@ -227,3 +227,65 @@ def test_plan_for_2512px_qwen_stays_within_4_gib():
     chains = [s for s in plan.steps if isinstance(s, vae_tiling.Chain)]
     assert chains[-1].scale > 1 and len(chains[-1].tiles) > 1  # the 2512-px stages are tiled
     assert all(c.store_on_device for c in chains)
+
+
+@pytest.fixture
+def memory_requests(monkeypatch):
+    """What VAE Tiling asks ComfyUI's memory manager for (memory_required of each
+    load_models_gpu call, in bytes), the real call still made; and the budgets planned."""
+    asked, planned = [], []
+    load, plan = mm.load_models_gpu, vae_tiling.plan_decode
+
+    def load_models_gpu(models, memory_required=0, **kwargs):
+        asked.append(memory_required)
+        return load(models, memory_required=memory_required, **kwargs)
+
+    def plan_decode(ops, shape, dtype, budget, tile_size=0):
+        planned.append(budget)
+        return plan(ops, shape, dtype, budget, tile_size)
+
+    monkeypatch.setattr(mm, "load_models_gpu", load_models_gpu)
+    monkeypatch.setattr(vae_tiling, "plan_decode", plan_decode)
+    return asked, planned
+
+
+def test_automatic_budget_asks_comfyui_for_room_then_uses_what_it_counts_free(
+    qwen_vae, memory_requests, monkeypatch
+):
+    """A small card: 3 GiB free. The decode asks ComfyUI to make room (stock's estimate, at
+    most 4 GiB) before anything else, then plans with ComfyUI's free memory less its reserve."""
+    asked, planned = memory_requests
+    free = 3 * 2**30
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
+    monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
+    z = _latent((1, 16, 1, 9, 10), 7)
+    _tiled(qwen_vae, z)
+    stock = qwen_vae.memory_used_decode(z.shape, qwen_vae.vae_dtype)
+    assert asked == [min(stock, node.AUTO_REQUEST)]
+    assert planned == [free - mm.extra_reserved_memory()]
+    # at 2512² stock's estimate is far larger: the request stays at 4 GiB
+    big = qwen_vae.memory_used_decode((1, 16, 1, 314, 314), torch.bfloat16)
+    assert big > 40 * 2**30
+    assert node._request(qwen_vae, torch.empty(1, 16, 1, 314, 314), 0) == node.AUTO_REQUEST
+
+
+def test_set_budget_is_what_comfyui_is_asked_for(qwen_vae, memory_requests):
+    asked, planned = memory_requests
+    _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 8), 0, 0.5)
+    assert asked == [2**29] and planned == [2**29]
+
+
+def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_requests, monkeypatch):
+    asked, planned = memory_requests
+    real = vae_tiling.execute
+    runs = []
+
+    def execute(plan, *a, **k):
+        runs.append(plan)
+        if len(runs) == 1:
+            raise mm.OOM_EXCEPTION("simulated")
+        return real(plan, *a, **k)
+
+    monkeypatch.setattr(vae_tiling, "execute", execute)
+    _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 9), 0, 1.0)
+    assert asked == [2**30, 2**28] and planned == [2**30, 2**28]

@@ -75,11 +75,3 @@ def assert_compiles_full_graph(step, x):
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
-
-
-def host_rope(freqs):
-    """A (B, L, 1, Dh/2, 2, 2) RoPE table in the layout ComfyUI's Qwen `Attention` takes:
-    as it is on v0.3.64, (B, 1, L, ...) on newer hosts (comfy-kitchen's apply_rope1)."""
-    import comfy.ldm.qwen_image.model as qwen
-
-    return freqs.transpose(1, 2) if hasattr(qwen, "apply_rope1") else freqs

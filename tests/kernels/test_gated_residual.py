@@ -26,6 +26,7 @@ from qwen_turbo.kernels.layernorm_modulate import (
     layernorm_modulate,
     layernorm_modulate_reference,
 )
+from tests.harness.models import host_rope
 from tests.kernels.common import (
     DTYPES,
     assert_compiles_full_graph,
@@ -33,7 +34,6 @@ from tests.kernels.common import (
     assert_logged_once,
     assert_logged_once_per_reason,
     fallback_messages,
-    host_rope,
     needs_cuda,
     needs_triton,
     ulps,

@@ -16,6 +16,7 @@ from qwen_turbo.kernels.qk_norm_rope import (
     qk_norm_rope_into,
     qk_norm_rope_reference,
 )
+from tests.harness.models import host_rope
 from tests.kernels.common import (
     DTYPES,
     assert_compiles_full_graph,
@@ -23,7 +24,6 @@ from tests.kernels.common import (
     assert_error_rule,
     assert_logged_once,
     assert_logged_once_per_reason,
-    host_rope,
     needs_cuda,
     needs_triton,
     ulps,
