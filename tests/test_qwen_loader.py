@@ -406,6 +406,7 @@ def test_fused_block_full_width_on_gpu(attention):
     temb = torch.randn(1, 3072, generator=g)
     ids = torch.randn(1, n_img + n_txt, 3, generator=g) * 40
     freqs = EmbedND(dim=128, theta=10000, axes_dim=[16, 56, 56])(ids).squeeze(1).unsqueeze(2)
+    freqs = models.host_rope(freqs)
     args32 = [t.cuda() for t in (img, txt, temb, freqs)]
     args16 = [t.to(torch.bfloat16) for t in args32]
     ours, stock = block(torch.bfloat16), block(torch.float32)

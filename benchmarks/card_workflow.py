@@ -1,0 +1,281 @@
+"""A bundled workflow through ComfyUI's executor on a simulated card: stock nodes against the
+pack's, in one process.
+
+A card of N GiB is simulated by filling the GPU until `torch.cuda.mem_get_info` reports N - 1
+GiB free (what a 24 GB card leaves a desktop user), which is what ComfyUI and the pack read;
+`set_per_process_memory_fraction` would not show in it. Random full-size weights are written
+as the files the workflow names, the DiT in the layout of Comfy-Org's repackaged
+`qwen_image_2512_fp8_e4m3fn.safetensors` (every matrix in float8_e4m3fn, vectors in bf16); the
+LoRA is random at rank 64 on every linear of the blocks. The text encoder is replaced by
+seeded random conditioning (tests/testing_nodes), 256 tokens.
+
+"pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
+UNETLoader (default dtype), KSampler, VAEDecode, no VAE patches. Each runs twice: the first run
+with nothing loaded or captured (the file in the OS cache), then a second with a new seed.
+Prints a table and JSON on the last line.
+
+    COMFYUI_PATH=~/comfy/ComfyUI-v0.33 python benchmarks/card_workflow.py --cards 24 16
+"""
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vae_decode import ROOT, setup_comfy  # noqa: E402
+
+GiB = 2**30
+STOCK = {
+    "QwenTurboLoader": ("UNETLoader", lambda i: {"unet_name": i["unet_name"],
+                                                 "weight_dtype": "default"}),
+    "QwenTurboCUDAGraphSampler": ("KSampler", lambda i: {k: v for k, v in i.items()
+                                                         if k != "capture"}),
+    "QwenTurboVAEDecodeTiled": ("VAEDecode", lambda i: {"samples": i["samples"],
+                                                        "vae": i["vae"]}),
+}  # fmt: skip
+PATCHES = ("QwenTurboFusedNormPatch", "QwenTurboTextureUpsample")
+
+
+def write_models(root: Path, api: dict) -> None:
+    """Random weights under the file names `api` loads (kept between runs of this script)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from qwen_turbo.runtime import bench
+
+    names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
+    dit = root / "diffusion_models" / names["unet_name"]
+    if not dit.exists():
+        sd = bench.qwen_dit_state_dict(60, "cuda")
+        fp8 = {k: (t.to(torch.float8_e4m3fn) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+        del sd
+        dit.parent.mkdir(parents=True, exist_ok=True)
+        save_file(fp8, str(dit))
+        if "lora_name" in names:
+            lora = {}
+            g = torch.Generator().manual_seed(1)
+            for k, t in fp8.items():
+                if t.ndim == 2 and k.startswith("transformer_blocks."):
+                    key = "diffusion_model." + k[: -len(".weight")]
+                    up = torch.randn(t.shape[0], 64, generator=g) * 0.02
+                    lora[key + ".lora_up.weight"] = up.to(torch.bfloat16)
+                    down = torch.randn(64, t.shape[1], generator=g) / t.shape[1] ** 0.5
+                    lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
+            (root / "loras").mkdir(exist_ok=True)
+            save_file(lora, str(root / "loras" / names["lora_name"]))
+        del fp8
+    vae = root / "vae" / names["vae_name"]
+    if not vae.exists():
+        vae.parent.mkdir(parents=True, exist_ok=True)
+        save_file(bench.random_state_dict(bench.qwen_vae_module(), seed=0), str(vae))
+    torch.cuda.empty_cache()
+
+
+def prompts(workflow: Path) -> dict:
+    """{"pack": api, "stock": api} for a bundled workflow, text encoding replaced."""
+    import nodes
+    from qwen_turbo.runtime.workflow import object_info, ui_to_api
+
+    api = ui_to_api(json.loads(workflow.read_text()), object_info(nodes.NODE_CLASS_MAPPINGS))
+    pack = {}
+    for node_id, node in api.items():
+        if node["class_type"] == "CLIPLoader":
+            continue
+        if node["class_type"] == "CLIPTextEncode":
+            cond = {"seed": int(node_id), "tokens": 256, "width": 3584}
+            node = {"class_type": "QwenTurboTestConditioning", "inputs": cond}
+        pack[node_id] = node
+    stock = {}
+    for node_id, node in pack.items():
+        kind, inputs = node["class_type"], node["inputs"]
+        if kind in PATCHES:
+            continue
+        if kind in STOCK:
+            kind, inputs = STOCK[kind][0], STOCK[kind][1](inputs)
+        stock[node_id] = {"class_type": kind, "inputs": dict(inputs)}
+    # a patch node's output -> the VAE it patched
+    vae_of = {k: n["inputs"]["vae"] for k, n in pack.items() if n["class_type"] in PATCHES}
+    for node in stock.values():
+        src = node["inputs"].get("vae")
+        while isinstance(src, list) and src[0] in vae_of:
+            src = vae_of[src[0]]
+        if src is not None:
+            node["inputs"]["vae"] = src
+    return {"pack": pack, "stock": stock}
+
+
+class Recorder:
+    """The `server` PromptExecutor reports to: node timings and errors."""
+
+    client_id = "card-benchmark"
+    last_node_id = last_prompt_id = None
+
+    def __init__(self):
+        self.times, self.error, self._node, self._t0 = {}, None, None, 0.0
+
+    def send_sync(self, event, data, sid=None):
+        now = time.perf_counter()
+        if event in ("executing", "execution_error", "execution_success") and self._node:
+            self.times[self._node] = self.times.get(self._node, 0) + now - self._t0
+            self._node = None
+        if event == "executing":
+            self._node, self._t0 = data.get("node"), now
+        if event == "execution_error":
+            self.error = f"{data.get('node_type')}: {data.get('exception_message')}".strip()
+
+    def progress(self, *args, **kwargs):
+        pass
+
+    def send_progress_text(self, *args, **kwargs):
+        pass
+
+
+def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
+    import torch
+
+    for node in api.values():
+        if "seed" in node["inputs"]:
+            node["inputs"]["seed"] = seed
+    server.times, server.error = {}, None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outputs = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
+    executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    by_kind = {}
+    for node_id, s in server.times.items():
+        kind = api[node_id]["class_type"]
+        by_kind[kind] = round(by_kind.get(kind, 0) + s, 2)
+    return {
+        "ok": executor.success, "error": server.error, "seconds": round(total, 2),
+        "nodes": by_kind,
+        "peak_gib": round((torch.cuda.max_memory_allocated() - filler_bytes) / GiB, 2),
+    }  # fmt: skip
+
+
+def fill_to(free_gib: float):
+    """A tensor holding all of the GPU's free memory but `free_gib`; None if less is free."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    extra = free - int(free_gib * GiB)
+    return torch.empty(extra, dtype=torch.uint8, device="cuda") if extra > 0 else None
+
+
+def init_dynamic_vram(start: bool) -> bool:
+    """ComfyUI v0.33's main.py: comfy-aimdo's allocator hooks before torch starts CUDA
+    (`start`), then its devices and the dynamic ModelPatcher (after). False where absent."""
+    try:
+        import comfy_aimdo.control as aimdo
+    except ImportError:
+        return False
+    if start:
+        for kwargs in ({"simple_vram_headroom": None, "nvml_pressure": True},
+                       {"simple_vram_headroom": None}, {}):  # fmt: skip
+            try:
+                aimdo.init(**kwargs)
+                return True
+            except TypeError:
+                continue
+        return False
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
+        return False
+    try:
+        ok = aimdo.init_devices((d.index, 0) for d in mm.get_all_torch_devices())
+    except TypeError:
+        ok = aimdo.init_devices(d.index for d in mm.get_all_torch_devices())
+    if ok:
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+    return bool(ok)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workflow", default="qwen_image_2512_turbo_2512px")
+    p.add_argument("--cards", type=float, nargs="+", default=[24, 16], help="GiB; 0 = whole")
+    p.add_argument("--variants", nargs="+", default=["stock", "pack"])
+    p.add_argument("--models", default="/tmp/qwen-turbo-models")
+    p.add_argument("--dynamic-vram", action="store_true", help="v0.33: as main.py enables it")
+    a = p.parse_args()
+    if a.dynamic_vram:
+        from tests.harness.comfyui import find_comfyui
+
+        sys.path.insert(0, str(find_comfyui()))
+        a.dynamic_vram = init_dynamic_vram(start=True)
+    setup_comfy()
+    import asyncio
+
+    import comfy.model_management as mm
+    import execution
+    import folder_paths
+    import torch
+
+    import nodes
+    import qwen_turbo
+    from qwen_turbo.runtime import headless
+    from tests import testing_nodes
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    for pack in (qwen_turbo, testing_nodes):
+        ext = asyncio.run(pack.comfy_entrypoint())
+        for cls in asyncio.run(ext.get_node_list()):
+            nodes.NODE_CLASS_MAPPINGS[cls.define_schema().node_id] = cls
+    dynamic = a.dynamic_vram and init_dynamic_vram(start=False)
+    folder_paths.set_output_directory("/tmp/qwen-turbo-out")
+    models = Path(a.models)
+    for kind in ("diffusion_models", "vae", "loras"):
+        folder_paths.folder_names_and_paths[kind] = ([str(models / kind)], {".safetensors"})
+    folder_paths.filename_list_cache.clear()
+    variants = prompts(ROOT / "workflows" / f"{a.workflow}.json")
+    write_models(models, variants["pack"])
+
+    rows = []
+    for card in a.cards:
+        filler = fill_to(card - 1) if card else None
+        filler_bytes = filler.numel() if filler is not None else 0
+        free = torch.cuda.mem_get_info()[0] / GiB
+        for variant in a.variants:
+            server = Recorder()
+            executor = headless._executor(execution, server)
+            for i, seed in enumerate((1, 2)):
+                r = run_once(executor, server, variants[variant], seed, filler_bytes)
+                run = "first" if i == 0 else "later"
+                rows.append({"card_gib": card or None, "free_gib": round(free, 1),
+                             "variant": variant, "run": run, **r})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+            del executor, server
+            mm.unload_all_models()
+            mm.soft_empty_cache()
+            gc.collect()
+            torch.cuda.empty_cache()
+        del filler
+        torch.cuda.empty_cache()
+
+    import comfyui_version
+
+    version = getattr(comfyui_version, "__version__", "?")
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}"
+          f"{', dynamic VRAM' if dynamic else ''}, {a.workflow}")  # fmt: skip
+    print(f"{'card':>6} {'variant':7} {'run':6} {'ok':3} {'total s':>8} {'peak GiB':>8}  nodes")
+    for r in rows:
+        slow = ", ".join(f"{k} {v}" for k, v in sorted(r["nodes"].items(), key=lambda x: -x[1])[:3])
+        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:7} {r['run']:6} "
+              f"{'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} {r['peak_gib']:8.2f}  {slow}"
+              + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "comfyui": version, "dynamic_vram": dynamic, "workflow": a.workflow,
+                      "rows": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
