@@ -29,10 +29,11 @@ def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs, whole_step=False):
     def resident():
         return not getattr(base, "model_lowvram", False)
 
-    calls = cuda_graphs.GraphRunner(resident, backend)
+    patched = cuda_graphs.foreign_object_patch(model.object_patches)
+    calls = cuda_graphs.GraphRunner(resident, backend, patched)
     model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, calls)
     if whole_step:
-        step = cuda_graphs.StepRunner(resident, backend)
+        step = cuda_graphs.StepRunner(resident, backend, patched)
         model.add_wrapper_with_key(pe.WrappersMP.PREDICT_NOISE, KEY, step)
     model.add_callback_with_key(pe.CallbacksMP.ON_DETACH, KEY, _free_on_unload)
     return model
@@ -49,6 +50,16 @@ def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
              if (n := getattr(after, name) - getattr(before, name))]  # fmt: skip
     reasons = [r for r, n in after.reasons.items() if n > before.reasons.get(r, 0)]
     return "; ".join(filter(None, [", ".join(parts), *reasons]))
+
+
+def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
+    """common_ksampler(model, *args, **kwargs) through the graph runners: its latent and this
+    run's graph status for the badge."""
+    stats = cuda_graphs.cache_for(model.model).stats
+    before = copy.deepcopy(stats)
+    model = with_cuda_graphs(model, backend, whole_step)
+    latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]
+    return latent, graph_status(before, stats)
 
 
 class CUDAGraphSampler(io.ComfyNode):
@@ -101,7 +112,8 @@ class CUDAGraphSampler(io.ComfyNode):
                     "step: one graph per step, cond, uncond and CFG together; steps with "
                     "timestep ranges, masks, ControlNet or CFG patches fall back to model "
                     "forward. off: exactly KSampler. On CPU, or with weights offloaded, it runs "
-                    "as KSampler.",
+                    "as KSampler; another node's Python inside a model call (EasyCache's) "
+                    "keeps that call eager.",
                 ),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
@@ -113,16 +125,14 @@ class CUDAGraphSampler(io.ComfyNode):
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
         latent_image, denoise=1.0, capture=CAPTURE_MODES[1],
     ) -> io.NodeOutput:  # fmt: skip
-        graphs = capture != "off" and model.load_device.type == "cuda"
-        status = f"off ({capture_off(model, capture)})"
-        if graphs:
-            stats = cuda_graphs.cache_for(model.model).stats
-            before = copy.deepcopy(stats)
-            model = with_cuda_graphs(model, whole_step=capture == "whole CFG step")
+        args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         with report.measured(cls) as extra:
-            latent = comfy_nodes.common_ksampler(
-                model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
-                latent_image, denoise=denoise,
-            )[0]  # fmt: skip
-            extra["graphs"] = graph_status(before, stats) if graphs else status
+            if capture != "off" and model.load_device.type == "cuda":
+                whole_step = capture == "whole CFG step"
+                latent, extra["graphs"] = sample_with_graphs(
+                    model, whole_step, cuda_graphs.CudaGraphs, *args, denoise=denoise
+                )
+            else:
+                latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
+                extra["graphs"] = f"off ({capture_off(model, capture)})"
         return io.NodeOutput(latent)

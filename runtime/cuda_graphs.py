@@ -16,8 +16,16 @@ the graphs live in a `GraphCache` per model object, in a module-level registry.
 A graph is keyed by every tensor input's shape, dtype and device, the scalar inputs, and a
 signature of the weights (their storage addresses), so a new shape, a LoRA that replaced
 weights, or a reload leads to a new capture. Anything that cannot be captured (CPU tensors,
-weights not all on the GPU, per-step model patches, nested tensor arguments such as ControlNet
-inputs, a failed capture) runs eagerly, with the reason logged once.
+weights not all on the GPU, nested tensor arguments such as ControlNet inputs, a failed
+capture) runs eagerly, with the reason logged once.
+
+A replay skips the Python inside the captured region, so only code known to hold no per-step
+Python state may sit there: the pack's own and `SAFE_WRAPPERS`. Any other wrapper at a level
+inside the region, model patch, callable transformer option, object patch (other than
+ComfyUI's model sampling) or, for a whole step, CFG function or per-step callback keeps that
+region out of a graph (`foreign_code`). EasyCache, for one, decides in a DIFFUSION_MODEL
+wrapper whether to skip a step, so its calls run eagerly; LazyCache decides at PREDICT_NOISE,
+around the step, so its steps are captured.
 """
 
 import contextvars
@@ -31,6 +39,14 @@ import torch
 
 log = logging.getLogger(__name__)
 SCALARS = (int, float, str, bool, type(None))
+PACK = __name__.split(".")[0]
+# ComfyUI's wrapper levels, outermost first, from a guided step (PREDICT_NOISE) inward.
+STEP_LEVELS = ("predict_noise", "calc_cond_batch", "apply_model", "diffusion_model")
+# Foreign wrapper keys that hold no per-step state: ComfyUI's torch.compile wrapper swaps the
+# compiled modules in and back the same way on every call (tests prove the replay exact).
+SAFE_WRAPPERS = ("torch.compile",)
+# ModelPatcher callbacks that run inside a guided step (in calc_cond_batch).
+STEP_CALLBACKS = ("on_prepare_state", "on_apply_hooks")
 
 
 @dataclass
@@ -190,6 +206,43 @@ def _flatten(args, kwargs):
     return tensors, tuple(desc)
 
 
+def own(obj) -> bool:
+    """Whether `obj` (a function, a method or a callable object) is this pack's code."""
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return module.split(".")[0] == PACK
+
+
+def foreign_code(options: dict, level: str, inner: list) -> str | None:
+    """Why Python that a replay would skip runs inside a graph captured at `level`: a wrapper
+    among `inner` (those inside the runner's own at `level`) or at a level below it, a model
+    patch or a callable transformer option, none of them the pack's; None if there is none.
+    `options`: the transformer_options of the call."""
+    wrappers = options.get("wrappers", {})
+    for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]:
+        for key, fns in wrappers.get(lvl, {}).items():
+            for fn in fns:
+                inside = lvl != level or any(fn is f for f in inner)
+                if inside and key not in SAFE_WRAPPERS and not own(fn):
+                    return f"{key!r} {lvl} wrapper runs Python per step"
+    patches = [*options.get("patches", {}), *options.get("patches_replace", {})]
+    if patches:
+        return f"model patches ({', '.join(patches)}) run Python per step"
+    for key, value in options.items():
+        if key not in ("wrappers", "callbacks") and callable(value) and not own(value):
+            return f"transformer option {key!r} runs Python per step"
+    return None
+
+
+def foreign_object_patch(object_patches: dict) -> str | None:
+    """Why a ModelPatcher's object patches run Python a replay would skip: one that is neither
+    the pack's nor ComfyUI's own model sampling (tensor math on the step's sigma)."""
+    for key, obj in object_patches.items():
+        comfy_sampling = key == "model_sampling" and type(obj).__module__.startswith("comfy")
+        if not (comfy_sampling or own(obj)):
+            return f"object patch on {key!r} runs Python per step"
+    return None
+
+
 def weights_signature(model: torch.nn.Module) -> int:
     return hash(tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers())))
 
@@ -201,14 +254,17 @@ _in_step = contextvars.ContextVar("qwen_turbo_in_step", default=False)
 class GraphRunner:
     """APPLY_MODEL wrapper: replays a captured graph when it can, else runs eagerly.
 
-    `resident` tells whether the model's weights are all on the GPU (no lowvram/offload).
+    `resident` tells whether the model's weights are all on the GPU (no lowvram/offload);
+    `patched`, why the model's object patches keep graphs off (`foreign_object_patch`).
     """
 
     capture_mode = "global"
+    level = "apply_model"
 
-    def __init__(self, resident: Callable[[], bool], backend=CudaGraphs):
+    def __init__(self, resident: Callable[[], bool], backend=CudaGraphs, patched=None):
         self.resident = resident
         self.backend = backend
+        self.patched = patched
         self.weights = None  # signature, computed at the first call of a run
 
     def _note(self, cache: GraphCache, reason: str) -> None:
@@ -221,12 +277,14 @@ class GraphRunner:
         self._note(cache, f"running eagerly: {reason}")
         return executor(*args, **kwargs)
 
-    def _why_not(self, x: torch.Tensor, options: dict) -> str | None:
+    def _why_not(self, x: torch.Tensor, executor, options: dict) -> str | None:
         why = self.backend.supports(x)
         if why is None and not self.resident():
             why = "weights are not all on the GPU (lowvram or offloading)"
-        if why is None and (options.get("patches") or options.get("patches_replace")):
-            why = "model patches that run per step"
+        if why is None:
+            why = self.patched
+        if why is None:  # the wrappers this one runs inside its own level
+            why = foreign_code(options, self.level, executor.wrappers[executor.idx + 1 :])
         return why
 
     def __call__(self, executor, *args, **kwargs):
@@ -238,7 +296,7 @@ class GraphRunner:
         tensors, desc = _flatten(args, kwargs)
         if tensors is None:
             return self._eager(cache, executor, desc, args, kwargs)
-        why = self._why_not(tensors[0][1], options) if tensors else "no tensor arguments"
+        why = self._why_not(tensors[0][1], executor, options) if tensors else "no tensor arguments"
         if why is not None:
             return self._eager(cache, executor, why, args, kwargs)
 
@@ -355,15 +413,21 @@ class StepRunner(GraphRunner):
     to the CFG result. Steps it cannot take go on to the per-call GraphRunner."""
 
     capture_mode = "relaxed"
+    level = "predict_noise"
 
     def __call__(self, executor, x, timestep, model_options, seed=None):
         guider = executor.class_obj
         model = guider.inner_model
         cache = cache_for(model)
-        why = self._why_not(x, model_options.get("transformer_options", {}))
-        found = [k for k in PER_STEP_OPTIONS if k in model_options]
+        why = self._why_not(x, executor, model_options.get("transformer_options", {}))
+        found = [k for k in PER_STEP_OPTIONS if model_options.get(k)]
         if why is None and found:
             why = f"{found[0]} set"
+        callbacks = guider.model_patcher.callbacks
+        found = [(t, k) for t in STEP_CALLBACKS for k, fns in callbacks.get(t, {}).items()
+                 if any(not own(f) for f in fns)]  # fmt: skip
+        if why is None and found:
+            why = "{1!r} {0} callback runs Python per step".format(*found[0])
         conds, desc = cond_inputs(guider.conds)
         if why is None and conds is None:
             why = desc

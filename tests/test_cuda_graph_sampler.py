@@ -12,7 +12,10 @@ import comfy.sd
 import pytest
 import torch
 from comfy_api.torch_helpers import set_torch_compile_wrapper
+from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
@@ -39,6 +42,41 @@ class FailingGraphs(FakeGraphs):
     def capture(cls, run, mode="global"):
         cls.calls += 1
         raise RuntimeError("operation not permitted when stream is capturing")
+
+
+class Recorder(TorchDispatchMode):
+    """Records the aten ops run under it, with the tensors they read and wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self):
+        """Run the ops again on the same tensors, writing into the tensors they wrote."""
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for dst, src in zip(tree_leaves(out), tree_leaves(new), strict=True):
+                if isinstance(dst, torch.Tensor) and dst is not src:
+                    dst.copy_(src)
+
+
+class TracedGraphs(FakeGraphs):
+    """Replays the aten ops recorded at capture into the same tensors, as a CUDA graph replays
+    its kernels on the same memory: the Python that issued them (its decisions and its state
+    updates) runs at capture only."""
+
+    @classmethod
+    def capture(cls, run, mode="global"):
+        cls.calls += 1
+        run()  # warm-up, as CudaGraphs does
+        with torch.no_grad(), Recorder() as recorder:
+            out = run()
+        return recorder.replay, out, 100
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +175,17 @@ def _cfg_function(model):
     return model, None
 
 
+def _step_callback(model):
+    model = model.clone()
+    model.add_callback_with_key("on_prepare_state", "someone", lambda *a: None)
+    return model, None
+
+
 @pytest.mark.parametrize(
     "setup,reason",
     [(_timestep_range, "conditioning with 'timestep_start'"),
-     (_cfg_function, "sampler_cfg_function set")],
+     (_cfg_function, "sampler_cfg_function set"),
+     (_step_callback, "'someone' on_prepare_state callback runs Python per step")],
 )  # fmt: skip
 def test_whole_step_falls_back_to_model_call_graphs(dit, setup, reason, caplog):
     model, positive = setup(dit)
@@ -251,6 +296,7 @@ class _Executor:
 
     def __init__(self):
         self.class_obj = torch.nn.Linear(4, 4)
+        self.wrappers, self.idx = [None], 0  # the runner's own wrapper, none inside it
         self.calls = 0
 
     def __call__(self, x, timestep, context=None, transformer_options=None, **kw):
@@ -334,3 +380,96 @@ def test_graph_status_reports_this_run_only():
     assert graph_status(before, after) == "captured 1, replayed 3, eager 1; new reason"
     assert graph_status(after, after) == ""
     assert graph_status(before, Stats(1, 5, 0, {"lowvram": 2, "why": 1})) == "why"
+
+
+def _cached(node, model):
+    """`model` through a step-caching node whose threshold skips most steps."""
+    return node.execute(model, 3.0, 0.0, 1.0, False).result[0]
+
+
+def _scaled(out, timestep):
+    """A Python decision per call: scale by the step's timestep, read as a float."""
+    return out * (1 + 0.1 * float(timestep[0]))
+
+
+def _foreign_wrapper(model):
+    model = model.clone()
+    wrapper = lambda executor, *a, **kw: _scaled(executor(*a, **kw), a[1])  # noqa: E731
+    model.add_wrapper_with_key("diffusion_model", "someone", wrapper)
+    return model
+
+
+def _foreign_forward(model):
+    model = model.clone()
+    forward = model.model.diffusion_model.forward
+    model.add_object_patch(
+        "diffusion_model.forward", lambda *a, **kw: _scaled(forward(*a, **kw), a[1])
+    )
+    return model
+
+
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model_forward", "whole_step"])
+@pytest.mark.parametrize(
+    "setup,model_call,step",
+    [
+        (lambda m: _cached(EasyCacheNode, m), "'easycache' diffusion_model wrapper",
+         "'easycache' calc_cond_batch wrapper"),
+        (lambda m: _cached(LazyCacheNode, m), None, None),
+        (_foreign_wrapper, "'someone' diffusion_model wrapper",
+         "'someone' diffusion_model wrapper"),
+        (_foreign_forward, "object patch on 'diffusion_model.forward'",
+         "object patch on 'diffusion_model.forward'"),
+    ],
+    ids=["easycache", "lazycache", "foreign_wrapper", "foreign_forward"],
+)  # fmt: skip
+def test_python_that_a_replay_would_skip_runs_eagerly(dit, setup, model_call, step, whole_step):
+    """Code that runs Python per call inside the captured region (EasyCache decides there
+    whether to skip a step) makes that call eager, with the reason in the badge; code outside
+    it (LazyCache wraps the whole step) runs each step around the graph. Either way the latent
+    equals KSampler's with the same node, while a replay that froze the Python would not."""
+    model = setup(dit)
+    cuda_graphs.cache_for(dit.model).clear()
+    ref = _sample(model, steps=6)
+    assert not torch.equal(ref, _sample(dit, steps=6))  # the node changes the result
+    out, status = graph_sampler.sample_with_graphs(
+        model, whole_step, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
+        {"samples": torch.zeros((1, 16, 6, 8))},
+    )  # fmt: skip
+    torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+    if model_call is None:
+        assert "eager" not in status and "replayed" in status
+    else:
+        assert f"running eagerly: {model_call} runs Python per step" in status
+        assert status.split(";")[0] == "eager 6"  # each step's one batched call
+    if whole_step and step is not None:
+        assert f"whole step not captured: {step} runs Python per step" in status
+
+
+def test_policy_trusts_the_packs_code_only(dit):
+    """The Optimized Loader's fused block forwards and attention override, ComfyUI's model
+    sampling, torch.compile and wrappers outside the runner's own are allowed in a graph;
+    a foreign wrapper inside it or below its level, or a foreign attention override, is not."""
+    from qwen_turbo.runtime import attention, qwen_loader
+
+    patcher = dit.clone()
+    qwen_loader.add_fused_blocks(patcher)
+    assert "model_sampling" in patcher.object_patches and len(patcher.object_patches) > 1
+    assert cuda_graphs.foreign_object_patch(patcher.object_patches) is None
+
+    def outer(ex, *a, **kw):
+        return ex(*a, **kw)
+
+    def inner(ex, *a, **kw):
+        return ex(*a, **kw)
+
+    runner = cuda_graphs.GraphRunner(lambda: True, FakeGraphs)
+    own = {"optimized_attention_override": attention.attention_override("sdpa")}
+    apply_model = {"someone": [outer], "torch.compile": [print], "qwen_turbo_cuda_graphs": [runner]}
+    options = {"wrappers": {"apply_model": apply_model}, **own}
+    assert cuda_graphs.foreign_code(options, "apply_model", [print]) is None
+    apply_model["later"] = [inner]
+    reason = "'later' apply_model wrapper runs Python per step"
+    assert cuda_graphs.foreign_code(options, "apply_model", [inner]) == reason
+    assert cuda_graphs.foreign_code(options, "predict_noise", []).startswith("'someone' apply")
+    options = {"wrappers": {}, "optimized_attention_override": outer}
+    assert "'optimized_attention_override'" in cuda_graphs.foreign_code(options, "apply_model", [])
