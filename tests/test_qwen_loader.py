@@ -357,6 +357,32 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
     mm.unload_all_models()
 
 
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
+def test_lora_on_offloaded_fp8_layers_equals_loaded(narrow_sd, weight_dtype):
+    """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left
+    on the host) gives the fully loaded model's result bit for bit: the patch is applied to
+    the dequantized weight in float32 and requantized with the same seed."""
+    cfg = qwen_dit.read_config(narrow_sd)
+    lora = load_file(str(models.narrow_lora_file()))
+    x, ctx = _inputs(cfg)
+    patcher = qwen_loader.build(dict(narrow_sd), cfg, weight_dtype)
+    with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+    loaded = _forward(with_lora, x, ctx)
+    mm.unload_all_models()
+    with torch.inference_mode():
+        with_lora.load(with_lora.load_device, lowvram_model_memory=1)
+        lowvram = [m for m in with_lora.model.modules() if getattr(m, "weight_function", None)]
+        assert any(isinstance(m, qwen_loader.Fp8Linear) for m in lowvram)
+        opts = dict(with_lora.model_options.get("transformer_options", {}))
+        out = with_lora.model.apply_model(
+            x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options=opts
+        ).float()
+        with_lora.detach()
+    assert torch.equal(out, loaded)
+    assert not torch.equal(out, _forward(patcher, x, ctx))  # the LoRA changed it
+    mm.unload_all_models()
+
+
 # 8bit, fp8_cudnn: SDPA on CPU float32
 @pytest.mark.parametrize("attention", ["sdpa", "flash", "8bit", "fp8_cudnn"])
 def test_attention_choice_keeps_the_result(narrow_sd, attention):
