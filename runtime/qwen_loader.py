@@ -91,10 +91,6 @@ def _gemv_sized(x: torch.Tensor) -> bool:
     return x.numel() < GEMV_ROWS * x.shape[-1]
 
 
-# ComfyUI's seed of a weight key for stochastic rounding (moved to comfy.utils after v0.3).
-_string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
-
-
 class Fp8Linear(comfy.ops.manual_cast.Linear):
     """A Linear holding an fp8 weight with a float32 per-tensor `scale_weight` (ComfyUI v0.3's
     scaled-fp8 layout), the same on every host: cast to the compute dtype per call, LoRAs
@@ -119,33 +115,30 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
             elif name != "scale_weight" and getattr(self, name) is not None:
                 missing.append(prefix + name)
 
-    def _weight_and_bias(self, x, dtype):
-        """The weight in `dtype` (FP8: the stored fp8 values) and the bias in x's dtype, on x's
-        device. ComfyUI's lowvram LoRA patches (`weight_function`) are applied as a loaded
-        model's are, on every host: to the dequantized weight in float32, requantized at the
-        layer's scale with the key's seed. (v0.33's cast_bias_weight would run them on the
-        fp8 or unscaled weight: a failed or wrong LoRA.)"""
-        if not self.weight_function:
-            return comfy.ops.cast_bias_weight(self, x, dtype=dtype, bias_dtype=x.dtype)
+    def _patched(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias in x's dtype on x's device with ComfyUI's lowvram LoRA patches
+        (`weight_function`, set on layers left on the host) applied to the dequantized weight
+        in float32, as a loaded model's are, on every host (v0.33's cast_bias_weight runs them
+        on the fp8 or the unscaled weight: a failed or a wrong LoRA). Not requantized: the
+        per-call cost stays a cast and a low-rank product."""
         weight = self.convert_weight(self.weight.to(x.device, torch.float32))
-        seed = None
         for patch in self.weight_function:
             key, patches = getattr(patch, "key", None), getattr(patch, "patches", None)
             if key is None or patches is None:  # not a LoRA patch: it takes the weight itself
                 weight = patch(weight)
-                continue
-            weight = comfy.lora.calculate_weight(patches[key], weight, key)
-            seed = _string_to_seed(key)
-        weight = self.set_weight(weight, seed=seed, return_weight=True).to(dtype)
+            else:
+                weight = comfy.lora.calculate_weight(patches[key], weight, key)
         bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
         for patch in self.bias_function if bias is not None else ():
             bias = patch(bias)
-        return weight, bias
+        return weight.to(x.dtype), bias
 
     def forward_comfy_cast_weights(self, input):
         if self.weight.dtype != FP8:
             return super().forward_comfy_cast_weights(input)
-        weight, bias = self._weight_and_bias(input, input.dtype)
+        if self.weight_function:
+            return F.linear(input, *self._patched(input))
+        weight, bias = comfy.ops.cast_bias_weight(self, input)
         scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
         if weight.numel() < input.numel():
             return F.linear(input, weight * scale, bias)
@@ -186,7 +179,9 @@ class Fp8FastLinear(Fp8Linear):
         return self._scale_row_value
 
     def _fp8(self, x, gelu_input=False, x_fp8=None):
-        weight, bias = self._weight_and_bias(x, FP8)
+        if self.weight_function:  # a LoRA on a layer left on the host: bf16 GEMM
+            return F.linear(gelu_tanh(x) if gelu_input else x, *self._patched(x))
+        weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
         scale = self._scale_row(x.device)
         if _gemv_sized(x):  # the modulation linears
             return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
@@ -196,7 +191,10 @@ class Fp8FastLinear(Fp8Linear):
         """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
         for all of them (q, k and v of one stream)."""
         if _gemv_sized(x) or not all(
-            isinstance(linear, Fp8FastLinear) and linear.weight.dtype == FP8 for linear in linears
+            isinstance(linear, Fp8FastLinear)
+            and linear.weight.dtype == FP8
+            and not linear.weight_function
+            for linear in linears
         ):
             return [linear(x) for linear in linears]
         x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))

