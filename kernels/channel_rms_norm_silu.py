@@ -254,8 +254,10 @@ def channel_rms_norm_silu(
 class ChannelRMSNormSiLU(torch.nn.Module):
     """Drop-in for ComfyUI's channel-first `RMS_norm` (optionally followed by `nn.SiLU`).
 
-    Keeps `norm` as a submodule, so its parameters are shared, not copied; gamma and bias
-    are cast to x's dtype and device on every call, as ComfyUI does.
+    Holds the norm's own `gamma` and `bias` Parameters under the norm's names, so the patched
+    tree names its weights as the original does (ComfyUI's ModelPatcher backs weights up and
+    restores them by name, across object patches); they are cast to x's dtype and device on
+    every call, as ComfyUI does.
     """
 
     def __init__(self, norm: torch.nn.Module, silu: bool):
@@ -265,9 +267,9 @@ class ChannelRMSNormSiLU(torch.nn.Module):
                 "ChannelRMSNormSiLU needs a channel-first RMS_norm (channel_first=True); "
                 "leave channel-last norms as they are"
             )
-        self.norm = norm
+        self.gamma, self.bias = norm.gamma, norm.bias
         self.silu = silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.norm.bias is None else self.norm.bias.to(x)
-        return channel_rms_norm_silu(x, self.norm.gamma.to(x), bias, self.silu)
+        bias = None if self.bias is None else self.bias.to(x)
+        return channel_rms_norm_silu(x, self.gamma.to(x), bias, self.silu)

@@ -375,21 +375,23 @@ class GroupNormSiLU(torch.nn.Module):
     """Drop-in for torch.nn.GroupNorm (and comfy.ops' GroupNorm), optionally with the SiLU
     that follows it fused.
 
-    Keeps `norm` as a submodule, so its parameters are shared, not copied; weight and bias
-    are cast to x's dtype and device on every call, as ComfyUI does.
+    Holds the norm's own `weight` and `bias` Parameters under the norm's names, so the patched
+    tree names its weights as the original does (ComfyUI's ModelPatcher backs weights up and
+    restores them by name, across object patches); they are cast to x's dtype and device on
+    every call, as ComfyUI does.
     """
 
     def __init__(self, norm: torch.nn.GroupNorm, silu: bool):
         super().__init__()
         if not isinstance(norm, torch.nn.GroupNorm):
             raise ValueError(f"GroupNormSiLU wraps a torch.nn.GroupNorm, not {type(norm)}")
-        self.norm = norm
-        self.silu = silu
+        self.weight, self.bias = norm.weight, norm.bias
+        self.num_groups, self.eps, self.silu = norm.num_groups, norm.eps, silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.norm.weight is None else self.norm.weight.to(x)
-        b = None if self.norm.bias is None else self.norm.bias.to(x)
-        return group_norm_silu(x, self.norm.num_groups, w, b, self.norm.eps, self.silu)
+        w = None if self.weight is None else self.weight.to(x)
+        b = None if self.bias is None else self.bias.to(x)
+        return group_norm_silu(x, self.num_groups, w, b, self.eps, self.silu)
 
     def extra_repr(self) -> str:
         return f"silu={self.silu}"

@@ -10,6 +10,8 @@ multiply-adds drop from 36 to 16 per output pair (2.25x fewer).
 The phase convolution runs through `F.conv2d` (cuDNN on GPU), so this op needs no Triton.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -95,19 +97,25 @@ def upsample_conv3x3(x, weight, bias=None, weight4=None):
 class UpsampleConv3x3(torch.nn.Module):
     """Replaces `Sequential(Upsample(2x nearest), Conv2d(3x3, padding 1))` or a VAE `Upsample`.
 
-    Holds the original conv (its parameters are shared, not copied). The phase weights are
-    built once per weight storage, device and dtype (and version, where the weight is not an
-    inference tensor), not once per call: a tiled decode calls this once per tile.
+    Holds the original conv (its parameters are shared, not copied) under its name in the
+    replaced module ("1" in the Sequential, "conv" in an `Upsample`), so the patched tree names
+    its weights as the original does (ComfyUI's ModelPatcher backs weights up and restores
+    them by name, across object patches). The phase weights are built once per weight
+    storage, device and dtype (and version, where the weight is not an inference tensor), not
+    once per call: a tiled decode calls this once per tile.
 
     Takes the original module's extra arguments too (newer ComfyUI calls its `Upsample` as
     `upsample(x, conv_carry_in, conv_carry_out)`): the fused path runs for a 4-D x with every
     extra argument None; anything else goes to the original module unchanged.
     """
 
-    def __init__(self, conv: torch.nn.Conv2d, fallback: torch.nn.Module):
+    def __init__(self, conv: torch.nn.Conv2d, fallback: Callable):
         super().__init__()
-        self.conv = conv
-        self.fallback = fallback  # the original module, for inputs this op does not take
+        named = getattr(fallback, "named_children", lambda: [])
+        self.add_module(next((n for n, c in named() if c is conv), "conv"), conv)
+        # plain references: the conv is named once, above; `fallback` is the original module,
+        # for inputs this op does not take
+        self.__dict__.update(_conv=conv, fallback=fallback)
         self.with_conv = True  # read by code that inspects a VAE `Upsample`
         self._phases = None  # (key, phase weights)
 
@@ -115,9 +123,9 @@ class UpsampleConv3x3(torch.nn.Module):
         extra = (*args, *kwargs.values())
         if x.ndim != 4 or any(a is not None for a in extra):
             return self.fallback(x, *args, **kwargs)
-        p = self.conv.weight
+        p = self._conv.weight
         w = p.to(x)
-        b = None if self.conv.bias is None else self.conv.bias.to(x)
+        b = None if self._conv.bias is None else self._conv.bias.to(x)
         # inference tensors carry no version counter; ComfyUI never patches VAE weights in place
         key = (p.data_ptr(), x.device, x.dtype, None if p.is_inference() else p._version)
         if self._phases is None or self._phases[0] != key:

@@ -121,7 +121,8 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         in float32, as a loaded model's are, on every host (v0.33's cast_bias_weight runs them
         on the fp8 or the unscaled weight: a failed or a wrong LoRA). Not requantized: the
         per-call cost stays a cast and a low-rank product."""
-        weight = self.convert_weight(self.weight.to(x.device, torch.float32))
+        # fp8 bytes cross to the GPU, then widen there (a cast in the copy runs on the CPU)
+        weight = self.convert_weight(self.weight.to(x.device).float())
         for patch in self.weight_function:
             key, patches = getattr(patch, "key", None), getattr(patch, "patches", None)
             if key is None or patches is None:  # not a LoRA patch: it takes the weight itself

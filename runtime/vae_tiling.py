@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.group_norm_silu import GroupNormSiLU
 from ..kernels.group_norm_stats import (
     finalize_moments,
     group_moments,
@@ -138,11 +139,10 @@ def _wan_ops(vae) -> list:
     return ops
 
 
-def _group_norm(m) -> torch.nn.GroupNorm:
-    """The GroupNorm itself, also when a fused replacement wraps it as `.norm`."""
-    norm = m if isinstance(m, torch.nn.GroupNorm) else getattr(m, "norm", None)
-    _require(isinstance(norm, torch.nn.GroupNorm), f"a {type(m).__name__} norm")
-    return norm
+def _group_norm(m) -> torch.nn.Module:
+    """A GroupNorm, or the fused replacement holding its weight, bias, num_groups and eps."""
+    _require(isinstance(m, torch.nn.GroupNorm | GroupNormSiLU), f"a {type(m).__name__} norm")
+    return m
 
 
 def _resnet_ops(block) -> list:

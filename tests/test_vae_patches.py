@@ -255,3 +255,18 @@ def test_skipped_modules_log_one_line_per_reason(qwen_vae, caplog):
         "a reason",
         "Qwen Turbo: left decoder.x as it is: another",
     ]
+
+
+@pytest.mark.parametrize("vae_name", ["qwen_vae", "sd_vae"])
+def test_patched_tree_names_its_weights_as_the_original(vae_name, request):
+    """ComfyUI's ModelPatcher (v0.33's dynamic one) backs weights up by name while the
+    patches are on and restores them by name after: every name must resolve in both trees."""
+    vae = request.getfixturevalue(vae_name)
+    original = dict(vae.first_stage_model.named_parameters()).keys()
+    patched = _both(vae)
+    mm.load_models_gpu([patched.patcher])
+    try:
+        assert dict(patched.first_stage_model.named_parameters()).keys() == original
+    finally:
+        mm.unload_all_models()
+    assert dict(vae.first_stage_model.named_parameters()).keys() == original

@@ -266,7 +266,7 @@ def kernel_only(kernel_only):
 def test_module_matches_group_norm_and_silu(silu, kernel_only):
     norm = _random_norm(torch.nn.GroupNorm(32, 128, eps=1e-6), 1).to(DEVICE)
     mod = GroupNormSiLU(norm, silu)
-    assert mod.norm is norm and list(mod.state_dict()) == ["norm.weight", "norm.bias"]
+    assert mod.weight is norm.weight and list(mod.state_dict()) == ["weight", "bias"]
     x, _, _ = _inputs((1, 128, 17, 29), torch.float32, 12)
     ref = F.silu(norm(x)) if silu else norm(x)
     torch.testing.assert_close(mod(x), ref, rtol=1e-5, atol=1e-5)

@@ -81,6 +81,7 @@ def test_module_falls_back_for_5d_and_sees_weight_updates():
     conv = torch.nn.Conv2d(6, 3, 3, padding=1)
     seq = torch.nn.Sequential(torch.nn.Upsample(scale_factor=2.0, mode="nearest"), conv)
     m = op.UpsampleConv3x3(conv, seq)
+    assert dict(m.named_parameters()).keys() == dict(seq.named_parameters()).keys()
     x = torch.randn(2, 6, 5, 4)
     torch.testing.assert_close(m(x), seq(x), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
