@@ -8,7 +8,7 @@ import comfy.utils
 import torch
 from comfy_api.latest import io
 
-from ..runtime import log_once, vae_tiling
+from ..runtime import cuda_graphs, log_once, vae_tiling
 from . import report
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,12 @@ def _request(vae, latent, budget: int) -> int:
 
 def _make_room(vae, memory_required: int) -> None:
     """Load the VAE through ComfyUI, which first unloads or offloads other models (a DiT
-    partly, where that suffices) until `memory_required` and its own reserve are free."""
+    partly, where that suffices) until `memory_required` and its own reserve are free. The
+    CUDA Graph Sampler's cached graphs go first: ComfyUI cannot see or reclaim them."""
+    if _free_memory(vae, vae.device) < memory_required + mm.extra_reserved_memory():
+        freed = cuda_graphs.release_all()
+        if freed:
+            log.info("VAE Tiling: freed %.2f GiB of cached CUDA graphs for room", freed / GiB)
     mm.load_models_gpu(
         [vae.patcher], memory_required=memory_required, force_full_load=vae.disable_offload
     )

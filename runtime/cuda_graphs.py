@@ -142,6 +142,18 @@ def free_graphs(model: torch.nn.Module) -> None:
         cache.clear()
 
 
+def release_all() -> int:
+    """Drop every cached graph, so that their memory pools go back to the allocator (before a
+    node asks ComfyUI to unload or offload a model for room); returns the bytes they held.
+    The next sampling run captures again."""
+    freed = sum(g.nbytes for cache in _caches.values() for g in cache.graphs.values())
+    for cache in _caches.values():
+        cache.graphs.clear()
+    if freed and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return freed
+
+
 class CudaGraphs:
     """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream.
 

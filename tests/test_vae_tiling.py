@@ -289,3 +289,23 @@ def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_reque
     monkeypatch.setattr(vae_tiling, "execute", execute)
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 9), 0, 1.0)
     assert asked == [2**30, 2**28] and planned == [2**30, 2**28]
+
+
+@pytest.mark.parametrize("free_gib, kept", [(0.5, False), (64.0, True)])
+def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch, free_gib, kept):
+    """Short of room, the sampler's cached graphs are dropped before ComfyUI is asked to
+    unload or offload a model; with room to spare they stay for the next run."""
+    from qwen_turbo.runtime import cuda_graphs
+
+    free = int(free_gib * 2**30)
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
+    monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
+    model = nn.Linear(2, 2)
+    cache = cuda_graphs.cache_for(model)
+    cache.put("key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**30))
+    seen = []
+    monkeypatch.setattr(mm, "load_models_gpu", lambda *a, **k: seen.append(len(cache.graphs)))
+    node._make_room(qwen_vae, 2**30)
+    assert seen == [1 if kept else 0]  # dropped before ComfyUI was asked
+    assert bool(cache.graphs) == kept
+    cuda_graphs.free_graphs(model)
