@@ -23,6 +23,8 @@ export function badgeText(stats) {
   if (stats.graphs) parts.push(`graphs: ${stats.graphs}`);
   if (stats.weights) parts.push(stats.weights);
   if (stats.patched != null) parts.push(`${stats.patched} modules patched`);
+  if (stats.note) parts.push(stats.note);
+  if (stats.fallback) parts.push(`ComfyUI's decode: ${stats.fallback}`);
   return parts.join(" · ");
 }
 

@@ -1,0 +1,102 @@
+"""The guard for the next ComfyUI: each host internal the pack relies on (runtime/host.py),
+removed from the real host, turns its feature off with the reason, and the rest keeps
+working."""
+
+import importlib
+import logging
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import pytest
+import torch
+
+import nodes
+from qwen_turbo.nodes import report
+from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
+from qwen_turbo.nodes.loader import Loader
+from qwen_turbo.runtime import host
+
+CHECKS = [(feature, check) for feature, checks in host.FEATURES.items() for check in checks]
+
+
+def _remove(monkeypatch, check) -> None:
+    """Take the internal(s) a check looks for out of the host (every alternative of any_of)."""
+    for c in getattr(check, "alternatives", [check]):
+        module, path = c.internal
+        *parents, name = path.split(".")
+        obj = importlib.import_module(module)
+        for part in parents:
+            obj = getattr(obj, part)
+        monkeypatch.delattr(obj, name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_host():
+    host.reset()
+    yield
+    host.reset()  # after monkeypatch has put the internals back
+
+
+def test_the_running_host_has_every_internal():
+    assert host.check() == {}
+
+
+@pytest.mark.parametrize(
+    "feature, check", CHECKS, ids=[f"{f}:{c.internal if hasattr(c, 'internal') else 'any'}"
+                                   for f, c in CHECKS],
+)  # fmt: skip
+def test_each_missing_internal_turns_its_feature_off(monkeypatch, caplog, feature, check):
+    _remove(monkeypatch, check)
+    with caplog.at_level(logging.WARNING):
+        off = host.check()
+    assert set(off) == {feature}, off
+    assert "missing" in off[feature] or "takes no" in off[feature]
+    assert any(feature in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    out = []
+    monkeypatch.setattr(report, "send", lambda node_id, data: out.append(data))
+    return out
+
+
+def test_loader_without_fused_block_internals_loads_plain_blocks(monkeypatch, sent, models_dir):
+    """A host whose Qwen block no longer takes the arguments the fused block reproduces: the
+    loader leaves the blocks alone, says so on its badge, and the model still runs."""
+    import folder_paths
+
+    from tests.harness import models
+
+    monkeypatch.setitem(
+        folder_paths.folder_names_and_paths, "diffusion_models",
+        ([str(models_dir / "diffusion_models")], {".safetensors"}),
+    )  # fmt: skip
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    check = host.FEATURES["fused_blocks"][0]
+    _remove(monkeypatch, check)
+    name = models.qwen_dit_file().name
+    model = Loader.execute(name, "bf16", "auto", True, "off").result[0]
+    assert not any(k.endswith("forward") for k in model.object_patches)
+    assert "fused_kernels off" in sent[-1]["note"]
+    monkeypatch.undo()  # the host's block back, to run it
+    x = torch.randn(1, 16, 1, 8, 8)
+    ctx = torch.randn(1, 5, 3584)
+    with torch.inference_mode():
+        mm.load_models_gpu([model])
+        out = model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=ctx)
+    assert out.isfinite().all()
+    mm.unload_all_models()
+
+
+def test_sampler_without_wrapper_internals_runs_as_ksampler(monkeypatch, sent):
+    """Without the wrapper levels the graph runners hook into, the sampler is KSampler."""
+    _remove(monkeypatch, host.FEATURES["cuda_graphs"][1])
+    model = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), "cpu", "cpu")
+    monkeypatch.setattr(model, "load_device", torch.device("cuda"), raising=False)
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    calls = []
+    monkeypatch.setattr(nodes, "common_ksampler", lambda *a, **k: calls.append(a) or [latent])
+    CUDAGraphSampler.execute(model, 0, 1, 1.0, "euler", "simple", [], [], latent)
+    assert len(calls) == 1 and calls[0][0] is model  # the model as given: no graph wrappers
+    assert "WrappersMP.PREDICT_NOISE is missing" in sent[-1]["graphs"]
