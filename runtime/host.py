@@ -50,17 +50,6 @@ def params(module: str, path: str, *names: str) -> Callable[[], str | None]:
     return check
 
 
-def any_of(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
-    """A check that passes when one of `checks` does."""
-
-    def check():
-        reasons = [c() for c in checks]
-        return None if None in reasons else " and ".join(reasons)
-
-    check.alternatives = checks
-    return check
-
-
 QWEN = "comfy.ldm.qwen_image.model"
 BLOCK_ARGS = (
     "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
@@ -74,9 +63,10 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
         attr(QWEN, "optimized_attention_masked"),
         attr(QWEN, "QwenImageTransformerBlock._modulate"),
     ],
-    "fp8_weights": [
-        any_of(attr("comfy.ops", "mixed_precision_ops"), attr("comfy.ops", "scaled_fp8_ops")),
+    "fp8_weights": [  # what qwen_loader.Fp8Linear calls
         attr("comfy.ops", "cast_bias_weight"),
+        attr("comfy.float", "stochastic_rounding"),
+        attr("comfy.lora", "calculate_weight"),
     ],
     "attention_override": [
         params("comfy.ldm.modules.attention", "wrap_attn", "func"),

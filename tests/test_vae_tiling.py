@@ -180,17 +180,23 @@ def test_latent_batch_norm_vae_matches_untiled():
     assert (_tiled(vae, z, 24) - ref).abs().max() <= TOL
 
 
-def test_out_of_memory_retries_with_a_smaller_budget(qwen_vae, monkeypatch):
-    budgets = []
-    real = vae_tiling.execute
+@pytest.fixture
+def oom_once(monkeypatch):
+    """The plans executed; the first runs out of memory (simulated), the others run."""
+    plans, real = [], vae_tiling.execute
 
     def execute(plan, *a, **k):
-        budgets.append(plan)
-        if len(budgets) == 1:
+        plans.append(plan)
+        if len(plans) == 1:
             raise mm.OOM_EXCEPTION("simulated")
         return real(plan, *a, **k)
 
     monkeypatch.setattr(vae_tiling, "execute", execute)
+    return plans
+
+
+def test_out_of_memory_retries_with_a_smaller_budget(qwen_vae, oom_once):
+    budgets = oom_once
     z = _latent((1, 16, 1, 9, 10), 4)
     out = _tiled(qwen_vae, z, 0, 1.0)
     assert len(budgets) == 2 and budgets[1].total >= budgets[0].total
@@ -275,18 +281,8 @@ def test_set_budget_is_what_comfyui_is_asked_for(qwen_vae, memory_requests):
     assert asked == [2**29] and planned == [2**29]
 
 
-def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_requests, monkeypatch):
+def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_requests, oom_once):
     asked, planned = memory_requests
-    real = vae_tiling.execute
-    runs = []
-
-    def execute(plan, *a, **k):
-        runs.append(plan)
-        if len(runs) == 1:
-            raise mm.OOM_EXCEPTION("simulated")
-        return real(plan, *a, **k)
-
-    monkeypatch.setattr(vae_tiling, "execute", execute)
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 9), 0, 1.0)
     assert asked == [2**30, 2**28] and planned == [2**30, 2**28]
 
