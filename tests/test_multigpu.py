@@ -1,0 +1,275 @@
+"""Multi-GPU on CPU: this process as rank 0 and worker processes over gloo, on the narrow
+2-block DiT (4 heads), through KSampler. Every split equals the single-process result, with
+the path taken (ranks per call, calls left on rank 0) read from the driver's counters.
+
+Latents of 6x10 give 15 image tokens and the prompts 7 text tokens: neither divides over 2 or
+4 ranks, so the padded sequence-parallel chunks are exercised.
+"""
+
+import os
+import signal
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.patcher_extension as pe
+import comfy.sd
+import comfy.utils
+import pytest
+import torch
+from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+from safetensors.torch import load_file
+
+import nodes
+from qwen_turbo.nodes.multigpu import MultiGPU
+from qwen_turbo.runtime import attention, multigpu, qwen_loader
+from tests.harness import models
+
+STEPS = 3
+TEXT = models.NARROW["joint_attention_dim"]
+TOL = 1e-5  # relative L2, float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_workers():
+    yield
+    multigpu.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_narrow_file()))
+
+
+@pytest.fixture(scope="module")
+def dit(loaded):
+    return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
+
+
+def _cond(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn((1, tokens, TEXT), generator=g), {}]]
+
+
+def _sample(model, cfg=2.5, negative_tokens=7):
+    latent = {"samples": torch.zeros((1, 16, 6, 10))}
+    args = (42, STEPS, cfg, "euler", "simple", _cond(7, 1), _cond(negative_tokens, 2), latent)
+    return nodes.common_ksampler(model, *args)[0]["samples"]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _cpus(n):
+    return ["cpu"] * n
+
+
+def _lora(model):
+    lora = load_file(str(models.narrow_lora_file()))
+    return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+
+
+# ranks, mode, CFG, (CFG groups, ranks per group); 2-rank cases first: one pool for them
+CASES = [
+    (2, "cfg-parallel", 2.5, (2, 1)),
+    (2, "sequence-parallel", 2.5, (1, 2)),
+    (2, "sequence-parallel", 1.0, (1, 2)),
+    (2, "auto", 2.5, (2, 1)),
+    (2, "auto", 1.0, (1, 2)),
+    (4, "both", 2.5, (2, 2)),
+    (4, "auto", 1.0, (1, 4)),
+]
+
+
+@pytest.mark.parametrize(("ranks", "mode", "cfg", "split"), CASES)
+def test_split_equals_single_process(dit, ranks, mode, cfg, split):
+    ref = _sample(dit, cfg)
+    model = multigpu.parallel(dit, _cpus(ranks), mode, backend="gloo")
+    out = _sample(model, cfg)
+    assert _rel(out, ref) < TOL
+    stats = multigpu.driver_of(model).stats
+    assert stats.calls == {split: STEPS} and not stats.local, stats
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
+    """The Optimized Loader's fused blocks and attention override run on the workers too."""
+    fast = loaded.clone()
+    qwen_loader.add_fused_blocks(fast)
+    qwen_loader.set_attention(fast, attention)
+    fast = ModelSamplingAuraFlow().patch_aura(fast, 3.1)[0]
+    ref = _sample(fast, 1.0)
+    model = multigpu.parallel(fast, _cpus(2), "sequence-parallel", backend="gloo")
+    assert _rel(_sample(model, 1.0), ref) < TOL
+    assert multigpu.driver_of(model).stats.calls == {(1, 2): STEPS}
+
+
+@pytest.mark.parametrize("name", [*attention.BACKENDS, *attention.QUANTIZED])
+def test_attention_backends_are_known_by_name(name):
+    assert multigpu.attention_name(attention.attention_override(name)) == name
+    assert multigpu.attention_name(_foreign_wrapper) is None
+
+
+def test_weights_follow_a_lora_and_back(dit):
+    """The workers get the weights again whenever the model's patches change."""
+    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
+    with_lora = _lora(model)
+    plain_ref, lora_ref = _sample(dit), _sample(_lora(dit))
+    assert _rel(lora_ref, plain_ref) > 1e-2  # the LoRA shows
+    for m, ref in ((model, plain_ref), (with_lora, lora_ref), (model, plain_ref)):
+        assert _rel(_sample(m), ref) < TOL
+    assert multigpu.driver_of(model).stats.calls == {(2, 1): 3 * STEPS}
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
+def test_weights_patched_on_the_fly_are_sent_as_a_full_load_patches_them(weight_dtype):
+    """Rank 0 partly loaded (lowvram: LoRA applied per call): the workers get each weight as
+    a full load patches it in place, bit for bit."""
+    sd, cfg = qwen_loader.read_checkpoint(models.qwen_dit_narrow_file())
+    with_lora = _lora(qwen_loader.build(sd, cfg, weight_dtype))
+    keys = sorted(with_lora.patches)
+    with torch.inference_mode():
+        with_lora.load(with_lora.load_device, lowvram_model_memory=1)
+        assert not any(k in with_lora.backup for k in keys)
+        sent = {k: multigpu.patched_weight(with_lora, k, torch.device("cpu")) for k in keys}
+        with_lora.detach()
+        mm.unload_all_models()
+        with_lora.load(with_lora.load_device, full_load=True)
+        for k in keys:
+            assert torch.equal(sent[k], comfy.utils.get_attr(with_lora.model, k)), k
+        with_lora.detach()
+    mm.unload_all_models()
+
+
+def _double_block_patch(args):
+    return {**args, "img": args["img"] * 0.9}
+
+
+def _foreign_wrapper(executor, *args, **kwargs):
+    return executor(*args, **kwargs) * 0.9
+
+
+def test_calls_the_workers_cannot_reproduce_run_on_rank_0(dit):
+    """Another node's model patch, or its diffusion-model wrapper inside this one, runs on rank
+    0 alone (same result as one process), and the reason is counted."""
+    patched = dit.clone()
+    patched.set_model_patch(_double_block_patch, "double_block")
+    wrapped = multigpu.parallel(dit, _cpus(2), "auto", backend="gloo")
+    wrapped.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign", _foreign_wrapper)
+    ref_wrapped = dit.clone()
+    ref_wrapped.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign", _foreign_wrapper)
+    cases = [
+        (multigpu.parallel(patched, _cpus(2), "auto", backend="gloo"), patched,
+         "model patches (double_block)"),
+        (wrapped, ref_wrapped, "the 'foreign' diffusion_model wrapper"),
+    ]  # fmt: skip
+    for model, ref_model, reason in cases:
+        ref = _sample(ref_model)
+        assert _rel(ref, _sample(dit)) > 1e-3  # the patch shows
+        assert _rel(_sample(model), ref) < TOL
+        stats = multigpu.driver_of(model).stats
+        assert stats.local == {reason: STEPS} and not stats.calls, stats
+
+
+def test_unequal_prompt_lengths_split_by_sequence(dit):
+    """Cond and uncond of different lengths come as two calls of one: auto splits each call's
+    sequence instead of the batch."""
+    ref = _sample(dit, negative_tokens=5)
+    model = multigpu.parallel(dit, _cpus(2), "auto", backend="gloo")
+    assert _rel(_sample(model, negative_tokens=5), ref) < TOL
+    assert multigpu.driver_of(model).stats.calls == {(1, 2): 2 * STEPS}
+
+
+def _workers():
+    return multigpu._pool.procs
+
+
+def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit):
+    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(dit)
+    assert _rel(_sample(model), ref) < TOL
+    first = _workers()[0]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    with pytest.raises(multigpu.MultiGPUError, match=r"worker on cpu failed \(exit code -9\)"):
+        _sample(model)
+    assert multigpu._pool is None
+    assert _rel(_sample(model), ref) < TOL  # fresh workers
+    assert _workers()[0].pid != first.pid
+
+
+def test_a_worker_dying_mid_run_stops_the_run(dit):
+    """Killed between two model calls of a run (by a wrapper outside the driver's): the call
+    in flight fails with the worker named; the next run works."""
+    calls = []
+
+    def killer(executor, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            proc = _workers()[0]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return executor(*args, **kwargs)
+
+    outer = dit.clone()
+    outer.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "killer", killer)
+    model = multigpu.parallel(outer, _cpus(2), "sequence-parallel", backend="gloo")
+    with pytest.raises(multigpu.MultiGPUError, match="worker on cpu failed"):
+        _sample(model)
+    assert len(calls) == 2 and multigpu._pool is None
+    assert _rel(_sample(model), _sample(dit)) < TOL
+
+
+def test_a_worker_that_cannot_start_is_named():
+    with pytest.raises(multigpu.MultiGPUError, match=r"worker on cuda:999 failed to start.*: "):
+        multigpu.pool(("cpu", "cuda:999"), "gloo")
+    assert multigpu._pool is None and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "batch", "heads", "why_not_sp", "want"),
+    [
+        ("auto", 2, 2, 24, None, (2, 1, None)),
+        ("auto", 2, 1, 24, None, (1, 2, None)),
+        ("auto", 8, 2, 24, None, (2, 4, None)),
+        ("auto", 5, 2, 24, None, (1, 1, "24 heads split over 1 of 5 GPUs")),
+        ("cfg-parallel", 4, 2, 24, None, (2, 1, "a batch of 2 splits over 2 of 4 GPUs")),
+        ("sequence-parallel", 4, 2, 24, None, (1, 4, None)),
+        ("both", 2, 1, 24, "a text attention mask",
+         (1, 1, "no sequence parallel with a text attention mask")),
+    ],
+)  # fmt: skip
+def test_plan(mode, world, batch, heads, why_not_sp, want):
+    assert multigpu.plan(mode, world, batch, heads, why_not_sp) == want
+
+
+def test_node_with_one_gpu_returns_the_model_as_it_is(dit):
+    for gpus in (1, 2):  # this host: CPU, so 2 GPUs fall back as well
+        out = MultiGPU.execute(model=dit, gpus=gpus, mode="auto").result[0]
+        assert out is dit
+    assert multigpu.cuda_devices(dit.load_device, 1) == (
+        [],
+        "1 GPU asked for: the model runs as it is",
+    )
+    assert "not CUDA" in multigpu.cuda_devices(torch.device("cpu"), 2)[1]
+
+
+def test_devices_start_with_rank_0s_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cuda1 = torch.device("cuda", 1)
+    assert multigpu.cuda_devices(cuda1, 3) == (["cuda:1", "cuda:0", "cuda:2"], None)
+    assert multigpu.cuda_devices(cuda1, 6) == (
+        ["cuda:1", "cuda:0", "cuda:2", "cuda:3"], "4 CUDA devices present, not 6"
+    )  # fmt: skip
+
+
+def test_heads_that_do_not_split_name_the_gpu_counts_that_do(dit):
+    with pytest.raises(ValueError, match="4 heads do not split over 3 GPUs; use 2, 4 GPUs"):
+        multigpu.check_heads(dit, "sequence-parallel", 3)
+    multigpu.check_heads(dit, "auto", 3)  # auto uses the ranks that fit
+
+
+def test_other_models_are_refused():
+    vae_like = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), "cpu", "cpu")
+    with pytest.raises(ValueError, match="runs Qwen-Image DiTs"):
+        multigpu.parallel(vae_like, _cpus(2))
