@@ -2,7 +2,7 @@
 
 Runs one forward of the Optimized Loader's bf16 fused model (random full-size weights, as
 `dit_forward.py`) at --size, keeps the q, k, v of the chosen layers, and runs each backend
-on them: cuDNN bf16 SDPA, the Triton 8-bit kernel, cuDNN fp8 with and without v smoothing.
+on them: cuDNN bf16 SDPA, cuDNN fp8 with and without v smoothing.
 Also prints how much of v's norm is its per-channel mean over the tokens, and the spread of
 the scores (first 2048 queries). Prints a table and JSON on the last line.
 
@@ -29,7 +29,6 @@ def main():
     import torch
     import torch.nn.functional as F
 
-    from qwen_turbo.kernels.attention_8bit import attention_8bit
     from qwen_turbo.kernels.attention_fp8 import attention_fp8
     from qwen_turbo.runtime import qwen_dit, qwen_loader
     from qwen_turbo.runtime.attention import attention_override
@@ -57,7 +56,6 @@ def main():
 
     backends = {
         "cudnn bf16": F.scaled_dot_product_attention,
-        "triton 8bit": attention_8bit,
         "cudnn fp8": attention_fp8,
         "cudnn fp8, v not smoothed": lambda q, k, v: attention_fp8(q, k, v, smooth_v=False),
     }

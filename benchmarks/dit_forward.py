@@ -30,8 +30,6 @@ VARIANTS = {
     "fp8 fused sdpa": ("pack", "fp8_e4m3fn", "sdpa", True, "off"),
     "fp8_fast fused sdpa": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
     "fp8_fast fused sdpa, fp8 GEMV": ("pack", "fp8_e4m3fn_fast", "sdpa", True, "off"),
-    "bf16 fused 8bit": ("pack", "bf16", "8bit", True, "off"),
-    "fp8_fast fused 8bit": ("pack", "fp8_e4m3fn_fast", "8bit", True, "off"),
     "bf16 fused fp8_cudnn": ("pack", "bf16", "fp8_cudnn", True, "off"),
     "fp8_fast fused fp8_cudnn": ("pack", "fp8_e4m3fn_fast", "fp8_cudnn", True, "off"),
 }

@@ -27,9 +27,9 @@ q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
-from .attention_8bit import attention_exact
 
 try:
     import cudnn
@@ -63,8 +63,33 @@ def quantize_reference(
     return x8.transpose(1, 2).contiguous().transpose(1, 2), (1 / scale).reshape(1)
 
 
+def attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The fallback: F.scaled_dot_product_attention on the inputs as given (no mask)."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 if HAS_TRITON:
-    from .attention_8bit import _round_bf16, _round_e4m3
+
+    @triton.jit
+    def _round_e4m3(x):
+        """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even,
+        kept in float32. Only for Triton's interpreter, whose fp32 -> fp8 cast mis-rounds
+        values whose mantissa carries into the exponent (126.6 -> 64, 1.2 % of random
+        values): a value already on the fp8 grid converts exactly. GPUs round in the cast."""
+        bits = x.to(tl.int32, bitcast=True)
+        # Normal range: drop 20 of float32's 23 mantissa bits, to nearest, ties to even.
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+        normal = bits.to(tl.float32, bitcast=True)
+        sub = tl.floor(x * 512.0 + 0.5) / 512.0  # subnormals (|x| < 2^-6): steps of 2^-9
+        return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+    @triton.jit
+    def _round_bf16(x):
+        """x (float32, finite) rounded to the nearest bfloat16, ties to even, kept in float32:
+        the interpreter's fp32 -> bf16 cast truncates; GPUs round in the cast."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _load_block(x_ptr, mean_ptr, bh, L, H, sx_b, sx_h, sx_l, SUB_MEAN, D, BLOCK):

@@ -1,16 +1,14 @@
 """Attention backends for ComfyUI's `optimized_attention_override` (transformer_options).
 
 ComfyUI's SDPA path sets its own backend priority inside `comfy.ops`, so choosing a backend
-means calling `F.scaled_dot_product_attention` here under our priority. "8bit" runs the
-pack's Triton kernel (int8 q.k, fp8 P.v) where it can, else SDPA; "fp8_cudnn" cuDNN's fp8
-attention (Hopper+, `nvidia-cudnn-frontend`) where it can, else SDPA. The call signature is
-ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
+means calling `F.scaled_dot_product_attention` here under our priority. "fp8_cudnn" runs
+cuDNN's fp8 attention (Hopper+, `nvidia-cudnn-frontend`) where it can, else SDPA. The call
+signature is ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
 """
 
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels.attention_8bit import attention_8bit
 from ..kernels.attention_fp8 import attention_fp8
 
 BACKENDS = {
@@ -65,7 +63,7 @@ def quantized(kernel):
     return core
 
 
-QUANTIZED = {"8bit": attention_8bit, "fp8_cudnn": attention_fp8}
+QUANTIZED = {"fp8_cudnn": attention_fp8}
 
 
 def attention_override(name: str):

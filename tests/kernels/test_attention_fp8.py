@@ -3,8 +3,8 @@ taken out, and back) against their PyTorch reference (CPU, through the interpret
 fallback branch, and on a Hopper GPU the whole op against exact attention.
 
 Against exact attention the relative L2 error is fp8's own: q.k, P, v and O each carry
-e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). benchmarks/attention_8bit.py on an
-H200: 5.8 % at L = 7,145 and 6.4 % at L = 24,905 on i.i.d. N(0, 1) inputs. Bound: 1e-1.
+e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). On an H200 (benchmarks/RESULTS.md):
+5.8 % at L = 7,145 and 6.4 % at L = 24,905 on i.i.d. N(0, 1) inputs. Bound: 1e-1.
 """
 
 import pytest
