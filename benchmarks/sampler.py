@@ -6,6 +6,11 @@ GPU-busy share is the union of kernel intervals over one run's wall time (torch.
 Prints the GPU, torch version, a table, and JSON on the last line.
 
     COMFYUI_PATH=~/comfy/ComfyUI python benchmarks/sampler.py --sizes 512 1024 --steps 4
+
+With --cache easycache|lazycache, ComfyUI's caching node at its defaults goes in front of both
+samplers: each size then also gives the uncached KSampler and graph-sampler times (the graph
+gain without caching), the steps skipped, and how far the cached latent and its decoded image
+(random Qwen-Image VAE) are from the uncached ones.
 """
 
 import argparse
@@ -144,6 +149,8 @@ def main():
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model first, as TorchCompileModel does")  # fmt: skip
     p.add_argument("--soak-lora", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cache", choices=["none", "easycache", "lazycache"], default="none",
+                   help="ComfyUI's caching node, at its defaults, in front of both")  # fmt: skip
     a = p.parse_args()
     setup_comfy()
     import torch
@@ -213,6 +220,9 @@ def run(a):
         return float(f"{((out.float() - ref.float()).norm() / ref.float().norm()).item():.3g}")
 
     other = [[torch.randn((1, 256, width), generator=g), dict(extra)]]  # a second prompt
+    if a.cache != "none":
+        caching(a, model, (pos, neg), timed, rel_l2)
+        return
     for size in a.sizes:
         latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
         stock = sampler("off", latent)
@@ -264,6 +274,76 @@ def run(a):
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "allocator": alloc}
     meta.update(layers=a.layers, steps=a.steps, cfg=a.cfg, compile=a.compile,
                 env=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))  # fmt: skip
+    print(json.dumps({**meta, "rows": rows}))
+
+
+def with_caching_node(model, name: str):
+    """`model` through ComfyUI's EasyCache or LazyCache node, at the node's defaults."""
+    from comfy_extras import nodes_easycache
+
+    node = {"easycache": nodes_easycache.EasyCacheNode, "lazycache": nodes_easycache.LazyCacheNode}
+    node = node[name]
+    defaults = {i.id: i.default for i in node.define_schema().inputs if i.id != "model"}
+    return node.execute(model, **defaults).result[0]
+
+
+def caching(a, model, cond, timed, rel_l2):
+    """Per size: KSampler and the graph sampler (--modes[0]) without and with the caching
+    node, each timed on its second run; the badge's status of the cached graph run; the cached
+    latents' and images' distance from the uncached ones."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import torch
+
+    import nodes
+    from qwen_turbo.nodes.graph_sampler import sample_with_graphs
+    from qwen_turbo.runtime import cuda_graphs
+    from tests.harness import models
+
+    cached = with_caching_node(model, a.cache)
+    vae = comfy.sd.VAE(sd=models.random_state_dict(models.qwen_vae_module(), 0),
+                       dtype=torch.bfloat16)  # fmt: skip
+    whole_step = a.modes[0] == "whole CFG step"
+    rows = []
+    for size in a.sizes:
+        latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
+        args = (0, a.steps, a.cfg, "euler", "simple", *cond, latent)
+        row, outs, status = {"size": size}, {}, {}
+
+        def run(m, tag, who, args=args, status=status):
+            if who == "ksampler":
+                return nodes.common_ksampler(m, *args)[0]["samples"]
+            latent, status[tag] = sample_with_graphs(m, whole_step, cuda_graphs.CudaGraphs, *args)
+            return latent["samples"]
+
+        for m, tag in ((model, "plain"), (cached, a.cache)):
+            for who in ("ksampler", "graph"):
+                _, t_first = timed(lambda m=m, tag=tag, who=who: run(m, tag, who))
+                outs[tag, who], t = timed(lambda m=m, tag=tag, who=who: run(m, tag, who))
+                row[f"{tag}_{who}_first_ms"] = round(t_first, 1)
+                row[f"{tag}_{who}_ms"] = round(t, 1)
+        row["status"] = status[a.cache]
+        for tag in ("plain", a.cache):
+            row[f"{tag}_graph_gain"] = round(row[f"{tag}_ksampler_ms"] / row[f"{tag}_graph_ms"], 3)
+            row[f"{tag}_graph_rel_l2"] = rel_l2(outs[tag, "graph"], outs[tag, "ksampler"])
+        row["cached_latent_rel_l2"] = rel_l2(outs[a.cache, "ksampler"], outs["plain", "ksampler"])
+        images = [vae.decode(outs[tag, "ksampler"]) for tag in ("plain", a.cache)]
+        row["cached_image_rel_l2"] = rel_l2(images[1], images[0])
+        rows.append(row)
+        print(row, flush=True)
+        cuda_graphs.free_graphs(model.model)
+        mm.soft_empty_cache()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  {a.layers} layers, "
+          f"{a.steps} steps, cfg {a.cfg}, {a.cache}, graphs: {a.modes[0]}")  # fmt: skip
+    print(f"{'size':>6} {'KSampler':>10} {'graphs':>8} {'gain':>6} {'KS+cache':>10} "
+          f"{'graphs+cache':>13} {'gain':>6}  status")  # fmt: skip
+    for r in rows:
+        c = a.cache
+        print(f"{r['size']:>6} {r['plain_ksampler_ms']:>10} {r['plain_graph_ms']:>8} "
+              f"{r['plain_graph_gain']:>6} {r[f'{c}_ksampler_ms']:>10} "
+              f"{r[f'{c}_graph_ms']:>13} {r[f'{c}_graph_gain']:>6}  {r['status']}")  # fmt: skip
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cache": a.cache,
+            "mode": a.modes[0], "layers": a.layers, "steps": a.steps, "cfg": a.cfg}  # fmt: skip
     print(json.dumps({**meta, "rows": rows}))
 
 

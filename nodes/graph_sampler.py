@@ -1,7 +1,5 @@
 """CUDA Graph Sampler: KSampler whose steps (or model calls) replay captured CUDA graphs."""
 
-import copy
-
 import comfy.patcher_extension as pe
 import comfy.samplers
 from comfy_api.latest import io
@@ -21,8 +19,9 @@ def _free_on_unload(patcher, unpatch_all):
 
 
 def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs, whole_step=False):
-    """A clone of `model` whose model calls go through a GraphRunner and, with `whole_step`,
-    whose guided steps go through a StepRunner."""
+    """A clone of `model` whose model calls go through a GraphRunner, and the diffusion model
+    inside every other wrapper through a ModelRunner; with `whole_step`, whose guided steps
+    go through a StepRunner."""
     model = model.clone()
     base = model.model
 
@@ -32,6 +31,11 @@ def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs, whole_step=False):
     patched = cuda_graphs.foreign_object_patch(model.object_patches)
     calls = cuda_graphs.GraphRunner(resident, backend, patched)
     model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, calls)
+    # added last, so it is the innermost DIFFUSION_MODEL wrapper; another node's wrapper
+    # around the diffusion model's forward (an object patch on it) runs outside it
+    inside = cuda_graphs.foreign_object_patch(model.object_patches, ("diffusion_model.forward",))
+    transformer = cuda_graphs.ModelRunner(resident, backend, inside)
+    model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, transformer)
     if whole_step:
         step = cuda_graphs.StepRunner(resident, backend, patched)
         model.add_wrapper_with_key(pe.WrappersMP.PREDICT_NOISE, KEY, step)
@@ -52,14 +56,35 @@ def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
     return "; ".join(filter(None, [", ".join(parts), *reasons]))
 
 
+def with_skip_report(model, skipped: list):
+    """A clone of `model` that appends to `skipped`, after sampling, what a step-caching node
+    (EasyCache, LazyCache: their holder in transformer_options) skipped: 'EasyCache skipped 3
+    of 20 steps'. Its OUTER_SAMPLE wrapper sits inside theirs, where their per-run copy is."""
+
+    def report(executor, *args, **kwargs):
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            holder = executor.class_obj.model_options["transformer_options"].get("easycache")
+            if hasattr(holder, "total_steps_skipped"):
+                name = type(holder).__name__.removesuffix("Holder")
+                steps = len(args[3]) - 1  # the sigmas
+                skipped.append(f"{name} skipped {holder.total_steps_skipped} of {steps} steps")
+
+    model = model.clone()
+    model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, report)
+    return model
+
+
 def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     """common_ksampler(model, *args, **kwargs) through the graph runners: its latent and this
     run's graph status for the badge."""
-    stats = cuda_graphs.cache_for(model.model).stats
-    before = copy.deepcopy(stats)
-    model = with_cuda_graphs(model, backend, whole_step)
+    before = cuda_graphs.run_stats(model.model)
+    skipped = []
+    model = with_skip_report(with_cuda_graphs(model, backend, whole_step), skipped)
     latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]
-    return latent, graph_status(before, stats)
+    status = graph_status(before, cuda_graphs.run_stats(model.model))
+    return latent, "; ".join(filter(None, [status, *skipped]))
 
 
 class CUDAGraphSampler(io.ComfyNode):

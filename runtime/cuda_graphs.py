@@ -1,31 +1,35 @@
 """Capture a model's forward, or a whole guided sampling step, once per static shape as a CUDA
 graph; replay it.
 
-Two ComfyUI wrappers (`fn(executor, *args, **kwargs)`):
-- `GraphRunner` (APPLY_MODEL): one model call, cond and uncond as the sampler batches them. It
-  sits outside the diffusion model, so a torch.compile'd model (ComfyUI's compile wrapper swaps
-  the module in at this level) is captured as compiled code rather than traced through.
+Three ComfyUI wrappers (`fn(executor, *args, **kwargs)`), outermost first; the outermost one
+that may capture a call does, and the ones inside it pass through:
 - `StepRunner` (PREDICT_NOISE): every model call of a step plus the CFG combination, so
   ComfyUI's per-step Python (batching conds, memory checks, CFG) leaves the loop too. Steps
   that depend on the step's data in Python (timestep ranges, masks, ControlNet, hooks, CFG
   functions) go on to the per-call graphs instead.
+- `GraphRunner` (APPLY_MODEL): one model call, cond and uncond as the sampler batches them. It
+  sits outside the diffusion model, so a torch.compile'd model (ComfyUI's compile wrapper swaps
+  the module in at this level) is captured as compiled code rather than traced through.
+- `ModelRunner` (DIFFUSION_MODEL, the innermost wrapper): the transformer's own math, after
+  every other wrapper has run. Where another node's Python runs per call around the diffusion
+  model (EasyCache decides there whether to skip a step), that Python still runs every call
+  and only the transformer replays, so step caching and graphs add up.
 
-Neither keeps tensors itself, since ModelPatcher deep-copies wrappers with `model_options`:
-the graphs live in a `GraphCache` per model object, in a module-level registry.
+None keeps tensors itself, since ModelPatcher deep-copies wrappers with `model_options`: the
+graphs live in a `GraphCache` per model object, in a module-level registry.
 
 A graph is keyed by every tensor input's shape, dtype and device, the scalar inputs, and a
 signature of the weights (their storage addresses), so a new shape, a LoRA that replaced
 weights, or a reload leads to a new capture. Anything that cannot be captured (CPU tensors,
-weights not all on the GPU, nested tensor arguments such as ControlNet inputs, a failed
-capture) runs eagerly, with the reason logged once.
+weights not all on the GPU, nested arguments such as ControlNet inputs, a failed capture) runs
+eagerly, with the reason logged once.
 
 A replay skips the Python inside the captured region, so only code known to hold no per-step
 Python state may sit there: the pack's own and `SAFE_WRAPPERS`. Any other wrapper at a level
 inside the region, model patch, callable transformer option, object patch (other than
-ComfyUI's model sampling) or, for a whole step, CFG function or per-step callback keeps that
-region out of a graph (`foreign_code`). EasyCache, for one, decides in a DIFFUSION_MODEL
-wrapper whether to skip a step, so its calls run eagerly; LazyCache decides at PREDICT_NOISE,
-around the step, so its steps are captured.
+ComfyUI's model sampling, and a wrapped diffusion-model forward for the innermost runner) or,
+for a whole step, CFG function or per-step callback keeps that region out of a graph
+(`foreign_code`); the call goes on to the next runner inside, or runs eagerly.
 """
 
 import contextvars
@@ -136,10 +140,12 @@ def cache_for(model: torch.nn.Module) -> GraphCache:
 
 
 def free_graphs(model: torch.nn.Module) -> None:
-    """Release a model's graphs and their memory pools (on unload)."""
-    cache = _caches.pop(model, None)
-    if cache is not None:
-        cache.clear()
+    """Release a model's graphs, its diffusion model's included, and their memory pools (on
+    unload)."""
+    for m in (model, getattr(model, "diffusion_model", None)):
+        cache = _caches.pop(m, None) if m is not None else None
+        if cache is not None:
+            cache.clear()
 
 
 def release_all() -> int:
@@ -197,7 +203,9 @@ def _is_options(value) -> bool:
 
 
 def _flatten(args, kwargs):
-    """Tensor leaves and a hashable description of everything else; None if not capturable.
+    """Tensor leaves with their paths ((name,) or, inside a list such as Edit's reference
+    latents, (name, index)) and a hashable description of everything else; (None, reason) if
+    not capturable.
 
     transformer_options (positional or not) stays out of the key: it changes every step
     (sigmas) and the model reads nothing from it unless patches are set, which the runner
@@ -208,14 +216,33 @@ def _flatten(args, kwargs):
     for name, value in items:
         if name == "transformer_options" or _is_options(value):
             continue
-        if isinstance(value, torch.Tensor):
-            tensors.append((name, value))
-            desc.append((name, tuple(value.shape), value.dtype, value.device))
-        elif isinstance(value, SCALARS):
-            desc.append((name, value))
-        else:
-            return None, f"argument {name!r} of type {type(value).__name__}"
+        listed = isinstance(value, (list, tuple))
+        for j, v in enumerate(value if listed else [value]):
+            path = (name, j) if listed else (name,)
+            if isinstance(v, torch.Tensor):
+                tensors.append((path, v))
+                desc.append((path, tuple(v.shape), v.dtype, v.device))
+            elif isinstance(v, SCALARS) and not listed:
+                desc.append((path, v))
+            else:
+                return None, f"argument {name!r} of type {type(v).__name__}"
+        if listed:
+            desc.append((name, type(value).__name__, len(value)))
     return tensors, tuple(desc)
+
+
+def _with_buffers(args, kwargs, tensors, buffers):
+    """`args` and `kwargs` with the tensors at `tensors`' paths replaced by `buffers`."""
+    args, kwargs = list(args), dict(kwargs)
+    for ((name, *j), _), buf in zip(tensors, buffers, strict=True):
+        where = args if isinstance(name, int) else kwargs
+        if j:
+            items = list(where[name])
+            items[j[0]] = buf
+            where[name] = type(where[name])(items)
+        else:
+            where[name] = buf
+    return args, kwargs
 
 
 def own(obj) -> bool:
@@ -245,12 +272,13 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
     return None
 
 
-def foreign_object_patch(object_patches: dict) -> str | None:
+def foreign_object_patch(object_patches: dict, outside: tuple[str, ...] = ()) -> str | None:
     """Why a ModelPatcher's object patches run Python a replay would skip: one that is neither
-    the pack's nor ComfyUI's own model sampling (tensor math on the step's sigma)."""
+    the pack's nor ComfyUI's own model sampling (tensor math on the step's sigma), nor on a key
+    in `outside` (what wraps the captured region from outside)."""
     for key, obj in object_patches.items():
         comfy_sampling = key == "model_sampling" and type(obj).__module__.startswith("comfy")
-        if not (comfy_sampling or own(obj)):
+        if not (comfy_sampling or key in outside or own(obj)):
             return f"object patch on {key!r} runs Python per step"
     return None
 
@@ -259,12 +287,32 @@ def weights_signature(model: torch.nn.Module) -> int:
     return hash(tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers())))
 
 
-# Set while a StepRunner runs a step: the per-call runner inside it then only passes through.
-_in_step = contextvars.ContextVar("qwen_turbo_in_step", default=False)
+# Set while a runner has taken a call (captured or eager): the runners inside pass through.
+_taken = contextvars.ContextVar("qwen_turbo_graph_taken", default=False)
+
+
+def _taking(executor, *args, **kwargs):
+    token = _taken.set(True)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        _taken.reset(token)
+
+
+def innermost_free(options: dict) -> bool:
+    """Whether the ModelRunner in `options`' wrappers may capture: no foreign code inside it."""
+    chain = [f for fns in options.get("wrappers", {}).get("diffusion_model", {}).values()
+             for f in fns]  # fmt: skip
+    at = next((i for i, f in enumerate(chain) if isinstance(f, ModelRunner)), None)
+    if at is None or chain[at].patched is not None:
+        return False
+    return foreign_code(options, ModelRunner.level, chain[at + 1 :]) is None
 
 
 class GraphRunner:
-    """APPLY_MODEL wrapper: replays a captured graph when it can, else runs eagerly.
+    """APPLY_MODEL wrapper: replays a captured graph when it can; where foreign code inside
+    the call keeps it out of a graph but not the transformer itself, hands the call to the
+    ModelRunner inside; else runs it eagerly.
 
     `resident` tells whether the model's weights are all on the GPU (no lowvram/offload);
     `patched`, why the model's object patches keep graphs off (`foreign_object_patch`).
@@ -287,20 +335,23 @@ class GraphRunner:
     def _eager(self, cache: GraphCache, executor, reason: str, args, kwargs):
         cache.stats.eager += 1
         self._note(cache, f"running eagerly: {reason}")
-        return executor(*args, **kwargs)
+        return _taking(executor, *args, **kwargs)
 
-    def _why_not(self, x: torch.Tensor, executor, options: dict) -> str | None:
+    def _why_not(self, x: torch.Tensor, executor, options: dict) -> tuple[str | None, bool]:
+        """Why this call cannot be captured here, and whether a runner inside still may."""
         why = self.backend.supports(x)
         if why is None and not self.resident():
             why = "weights are not all on the GPU (lowvram or offloading)"
-        if why is None:
-            why = self.patched
-        if why is None:  # the wrappers this one runs inside its own level
-            why = foreign_code(options, self.level, executor.wrappers[executor.idx + 1 :])
-        return why
+        if why is not None:
+            return why, False
+        # the wrappers this one runs inside its own level
+        why = self.patched or foreign_code(
+            options, self.level, executor.wrappers[executor.idx + 1 :]
+        )
+        return why, why is not None and self.level != ModelRunner.level and innermost_free(options)
 
     def __call__(self, executor, *args, **kwargs):
-        if _in_step.get():
+        if _taken.get():
             return executor(*args, **kwargs)
         model = executor.class_obj
         cache = cache_for(model)
@@ -308,18 +359,18 @@ class GraphRunner:
         tensors, desc = _flatten(args, kwargs)
         if tensors is None:
             return self._eager(cache, executor, desc, args, kwargs)
-        why = self._why_not(tensors[0][1], executor, options) if tensors else "no tensor arguments"
+        if not tensors:
+            return self._eager(cache, executor, "no tensor arguments", args, kwargs)
+        why, inner = self._why_not(tensors[0][1], executor, options)
+        if inner:
+            self._note(cache, f"model call captured inside its wrappers: {why}")
+            return executor(*args, **kwargs)
         if why is not None:
             return self._eager(cache, executor, why, args, kwargs)
 
         def run(buffers):
-            args_, kwargs_ = list(args), dict(kwargs)
-            for (name, _), buf in zip(tensors, buffers, strict=True):
-                if isinstance(name, int):
-                    args_[name] = buf
-                else:
-                    kwargs_[name] = buf
-            return executor(*args_, **kwargs_)
+            args_, kwargs_ = _with_buffers(args, kwargs, tensors, buffers)
+            return _taking(executor, *args_, **kwargs_)
 
         out = self._replay(cache, model, desc, [t for _, t in tensors], run)
         if out is None:
@@ -332,7 +383,7 @@ class GraphRunner:
         if self.weights is None:
             self.weights = weights_signature(model)
             cache.drop_stale(self.weights)
-        key = (desc, self.weights)
+        key = (self.level, desc, self.weights)
         if key in cache.failed:
             return None
         graph = cache.get(key)
@@ -431,7 +482,7 @@ class StepRunner(GraphRunner):
         guider = executor.class_obj
         model = guider.inner_model
         cache = cache_for(model)
-        why = self._why_not(x, executor, model_options.get("transformer_options", {}))
+        why = self._why_not(x, executor, model_options.get("transformer_options", {}))[0]
         found = [k for k in PER_STEP_OPTIONS if model_options.get(k)]
         if why is None and found:
             why = f"{found[0]} set"
@@ -453,11 +504,9 @@ class StepRunner(GraphRunner):
 
         def run(buffers):
             guider.conds = with_cond_buffers(original, dict(zip(paths, buffers[2:], strict=True)))
-            token = _in_step.set(True)
             try:
-                return executor(buffers[0], buffers[1], model_options, seed)
+                return _taking(executor, buffers[0], buffers[1], model_options, seed)
             finally:
-                _in_step.reset(token)
                 guider.conds = original
 
         paths = [p for p, _ in conds]
@@ -469,3 +518,30 @@ class StepRunner(GraphRunner):
             self._note(cache, "whole step not captured: capture failed for this shape")
             return executor(x, timestep, model_options, seed)
         return out
+
+
+class ModelRunner(GraphRunner):
+    """DIFFUSION_MODEL wrapper, the innermost: the transformer's math alone, for calls that the
+    runners outside leave to it (another node's Python around the diffusion model). A
+    torch.compile'd model is traced through this level, so it passes through there."""
+
+    level = "diffusion_model"
+
+    def __call__(self, executor, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return executor(*args, **kwargs)
+        return super().__call__(executor, *args, **kwargs)
+
+
+def run_stats(model: torch.nn.Module) -> Stats:
+    """The counters and reasons of a model's runners, its diffusion model's included."""
+    total = Stats()
+    for m in (model, getattr(model, "diffusion_model", None)):
+        if m is not None and m in _caches:
+            s = _caches[m].stats
+            total.captured += s.captured
+            total.replayed += s.replayed
+            total.eager += s.eager
+            for reason, n in s.reasons.items():
+                total.reasons[reason] = total.reasons.get(reason, 0) + n
+    return total

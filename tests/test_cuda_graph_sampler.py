@@ -408,25 +408,45 @@ def _foreign_forward(model):
     return model
 
 
+def _foreign_block(model):
+    """A block replacement that decides per call in Python, inside the transformer."""
+    model = model.clone()
+
+    def block(args, extra):
+        out = extra["original_block"](args)
+        return {**out, "img": _scaled(out["img"], args["vec"].flatten())}
+
+    model.set_model_patch_replace(block, "dit", "double_block", 0)
+    return model
+
+
+INSIDE = "model call captured inside its wrappers: "
+
+
 @pytest.mark.parametrize("whole_step", [False, True], ids=["model_forward", "whole_step"])
 @pytest.mark.parametrize(
-    "setup,model_call,step",
+    "setup,outer,step,eager",
     [
         (lambda m: _cached(EasyCacheNode, m), "'easycache' diffusion_model wrapper",
-         "'easycache' calc_cond_batch wrapper"),
-        (lambda m: _cached(LazyCacheNode, m), None, None),
+         "'easycache' calc_cond_batch wrapper", None),
+        (lambda m: _cached(LazyCacheNode, m), None, None, None),
         (_foreign_wrapper, "'someone' diffusion_model wrapper",
-         "'someone' diffusion_model wrapper"),
+         "'someone' diffusion_model wrapper", None),
         (_foreign_forward, "object patch on 'diffusion_model.forward'",
-         "object patch on 'diffusion_model.forward'"),
+         "object patch on 'diffusion_model.forward'", None),
+        (_foreign_block, None, "model patches (dit)", "model patches (dit)"),
     ],
-    ids=["easycache", "lazycache", "foreign_wrapper", "foreign_forward"],
+    ids=["easycache", "lazycache", "foreign_wrapper", "foreign_forward", "foreign_block"],
 )  # fmt: skip
-def test_python_that_a_replay_would_skip_runs_eagerly(dit, setup, model_call, step, whole_step):
-    """Code that runs Python per call inside the captured region (EasyCache decides there
-    whether to skip a step) makes that call eager, with the reason in the badge; code outside
-    it (LazyCache wraps the whole step) runs each step around the graph. Either way the latent
-    equals KSampler's with the same node, while a replay that froze the Python would not."""
+def test_python_that_a_replay_would_skip_stays_outside_the_graphs(
+    dit, setup, outer, step, eager, whole_step
+):
+    """Per-call Python around the diffusion model (EasyCache decides there whether to skip a
+    step) runs every call while the transformer inside it replays; Python inside the
+    transformer (a block replacement) makes the call eager; code around the whole step
+    (LazyCache) runs each step around the step's graph. Each reason is in the badge, and the
+    latent equals KSampler's with the same node, while a replay that froze the Python would
+    not."""
     model = setup(dit)
     cuda_graphs.cache_for(dit.model).clear()
     ref = _sample(model, steps=6)
@@ -436,13 +456,34 @@ def test_python_that_a_replay_would_skip_runs_eagerly(dit, setup, model_call, st
         {"samples": torch.zeros((1, 16, 6, 8))},
     )  # fmt: skip
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
-    if model_call is None:
-        assert "eager" not in status and "replayed" in status
+    counts = status.split(";")[0]
+    if eager is not None:
+        assert f"running eagerly: {eager} run Python per step" in status
+        assert counts == "eager 6"  # each step's one batched call
     else:
-        assert f"running eagerly: {model_call} runs Python per step" in status
-        assert status.split(";")[0] == "eager 6"  # each step's one batched call
+        assert "eager" not in counts and "replayed" in counts
+    if outer is not None:
+        assert f"{INSIDE}{outer} runs Python per step" in status
     if whole_step and step is not None:
-        assert f"whole step not captured: {step} runs Python per step" in status
+        assert f"whole step not captured: {step} run" in status
+
+
+@pytest.mark.parametrize("node", [EasyCacheNode, LazyCacheNode])
+def test_badge_reports_the_steps_a_caching_node_skipped(dit, node):
+    model = _cached(node, dit)
+    ref = _sample(model, steps=6)
+    out, status = graph_sampler.sample_with_graphs(
+        model, False, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
+        {"samples": torch.zeros((1, 16, 6, 8))},
+    )  # fmt: skip
+    torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+    name = node.__name__.removesuffix("Node")
+    skipped = int(status.split(f"{name} skipped ")[1].split(" of 6 steps")[0])
+    assert 0 < skipped < 6, status
+    assert "skipped" not in graph_sampler.sample_with_graphs(
+        dit, False, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
+        {"samples": torch.zeros((1, 16, 6, 8))},
+    )[1]  # fmt: skip
 
 
 def test_policy_trusts_the_packs_code_only(dit):

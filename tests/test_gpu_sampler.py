@@ -67,3 +67,19 @@ def test_back_to_back_runs_keep_memory_flat():
         alloc = [r["allocated_gib"] for r in rows if r["size"] == size][1:]
         assert max(alloc) - min(alloc) < 0.01, alloc  # GiB
     assert max(r["graphs"] for r in rows) <= 4
+
+
+@pytest.mark.parametrize("cache", ["easycache", "lazycache"])
+@pytest.mark.parametrize("mode", MODES)
+def test_caching_nodes_and_graphs_add_up(cache, mode):
+    """ComfyUI's caching node at its defaults in front of both samplers, full width: the
+    graph sampler's latent equals KSampler's with the same node, graphs replay, and the
+    caching node still skips steps."""
+    out = _bench("--cache", cache, "--sizes", "512", "--steps", "12", "--cfg", "4",
+                 "--modes", mode)  # fmt: skip
+    (row,) = out["rows"]
+    assert row[f"{cache}_graph_rel_l2"] == 0 and row["plain_graph_rel_l2"] == 0, row
+    assert "replayed" in row["status"] and "eager" not in row["status"].split(";")[0], row
+    name = {"easycache": "EasyCache", "lazycache": "LazyCache"}[cache]
+    skipped = int(row["status"].split(f"{name} skipped ")[1].split(" of ")[0])
+    assert skipped > 0, row["status"]

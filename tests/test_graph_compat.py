@@ -122,13 +122,14 @@ def _compiled(model):
 
 
 WHOLE, CALL, EAGER = "whole step", "per model call", "eager"
+INNER = "per transformer call"  # inside the node's own per-call Python
 SLG = "per model call (the skip-layer call eager)"
 # node: (how to apply it, path in model-forward mode, path in whole-step mode)
 CASES = {
     "LoraLoaderModelOnly": (_lora, CALL, WHOLE),
     "ModelSamplingAuraFlow": (None, CALL, WHOLE),
     "CFGNorm": (lambda m: _apply("nodes_cfg", "CFGNorm", m, strength=0.5), CALL, CALL),
-    "EasyCache": (lambda m: _cached(_node("nodes_easycache", "EasyCacheNode"), m), EAGER, EAGER),
+    "EasyCache": (lambda m: _cached(_node("nodes_easycache", "EasyCacheNode"), m), INNER, INNER),
     "LazyCache": (lambda m: _cached(_node("nodes_easycache", "LazyCacheNode"), m), CALL, WHOLE),
     "TorchCompileModel": (_compiled, CALL, WHOLE),
     "SkipLayerGuidanceDiT": (
@@ -164,6 +165,8 @@ def path_taken(status: str, whole_step: bool) -> str:
     if "eager" in counts:
         return (CALL + " (the skip-layer call eager)") if graphs else EAGER
     assert graphs, status
+    if "model call captured inside its wrappers" in status:
+        return INNER
     return WHOLE if whole_step and "whole step not captured" not in status else CALL
 
 
