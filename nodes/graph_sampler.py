@@ -1,5 +1,8 @@
 """CUDA Graph Sampler: KSampler whose steps (or model calls) replay captured CUDA graphs."""
 
+import logging
+
+import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import comfy.samplers
 from comfy_api.latest import io
@@ -9,6 +12,7 @@ import nodes as comfy_nodes
 from ..runtime import cuda_graphs, host
 from . import report
 
+log = logging.getLogger(__name__)
 KEY = "qwen_turbo_cuda_graphs"
 CAPTURE_MODES = ["model forward", "whole CFG step", "off"]
 
@@ -87,6 +91,37 @@ def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     return latent, "; ".join(filter(None, [status, *skipped]))
 
 
+def sample_within_memory(model, whole_step, backend, *args, **kwargs):
+    """sample_with_graphs; where it runs out of memory, every cached graph is dropped and the
+    run goes again as KSampler, which needs no graph memory."""
+    try:
+        return sample_with_graphs(model, whole_step, backend, *args, **kwargs)
+    except mm.OOM_EXCEPTION:
+        freed = cuda_graphs.release_all() / 2**30
+        mm.soft_empty_cache()
+        note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
+        log.warning("CUDA Graph Sampler: %s", note)
+        return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
+
+
+def out_of_memory(model, latent: dict, e: Exception) -> Exception:
+    """The OOM error a user can act on: the size, ComfyUI's own estimate of what a step needs
+    on top of the weights, what the card has, and what to change. Still an OOM exception, so
+    that ComfyUI's executor unloads the models as it does for any."""
+    x = latent["samples"]
+    h, w = x.shape[-2] * 8, x.shape[-1] * 8
+    need = model.model.memory_required(x.shape) / 2**30
+    total = mm.get_total_memory(model.load_device) / 2**30
+    msg = (
+        f"CUDA Graph Sampler ran out of memory at {w}×{h}, batch {x.shape[0]}: ComfyUI "
+        f"estimates {need:.1f} GiB for a step on top of the weights it keeps on the GPU, and "
+        f"this GPU has {total:.1f} GiB. Lower the size or batch, close other programs using "
+        "the GPU, or start ComfyUI with --lowvram (or a smaller --reserve-vram). "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    )
+    return mm.OOM_EXCEPTION(msg)
+
+
 class CUDAGraphSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -153,12 +188,15 @@ class CUDAGraphSampler(io.ComfyNode):
         args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         missing = host.missing("cuda_graphs")  # a host internal the runners rely on
         with report.measured(cls) as extra:
-            if capture != "off" and model.load_device.type == "cuda" and missing is None:
-                whole_step = capture == "whole CFG step"
-                latent, extra["graphs"] = sample_with_graphs(
-                    model, whole_step, cuda_graphs.CudaGraphs, *args, denoise=denoise
-                )
-            else:
-                latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
-                extra["graphs"] = f"off ({missing or capture_off(model, capture)})"
+            try:
+                if capture != "off" and model.load_device.type == "cuda" and missing is None:
+                    whole_step = capture == "whole CFG step"
+                    latent, extra["graphs"] = sample_within_memory(
+                        model, whole_step, cuda_graphs.CudaGraphs, *args, denoise=denoise
+                    )
+                else:
+                    latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
+                    extra["graphs"] = f"off ({missing or capture_off(model, capture)})"
+            except mm.OOM_EXCEPTION as e:
+                raise out_of_memory(model, latent_image, e) from e
         return io.NodeOutput(latent)

@@ -253,6 +253,47 @@ def test_node_on_cpu_is_ksampler(dit):
     torch.testing.assert_close(out, nodes.common_ksampler(*args)[0]["samples"], rtol=0, atol=0)
 
 
+class OutOfMemoryGraphs(FakeGraphs):
+    """Captures, then runs out of memory at the first replay (a graph pool that left a step
+    too little room)."""
+
+    @classmethod
+    def capture(cls, run, mode="global"):
+        _, out, nbytes = super().capture(run, mode)
+
+        def replay():
+            raise comfy.model_management.OOM_EXCEPTION("CUDA out of memory. Tried to allocate")
+
+        return replay, out, nbytes
+
+
+def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog):
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    ref = nodes.common_ksampler(dit, *args)[0]["samples"]
+    with caplog.at_level(logging.WARNING):
+        out, status = graph_sampler.sample_within_memory(dit, False, OutOfMemoryGraphs, *args)
+    torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+    assert status.startswith("off (out of memory with graphs") and "ran as KSampler" in status
+    assert not cuda_graphs.cache_for(dit.model).graphs  # dropped
+    assert "out of memory with graphs" in caplog.text
+
+
+def test_out_of_memory_names_the_size_and_what_to_change(dit, monkeypatch):
+    def oom(*args, **kwargs):
+        raise comfy.model_management.OOM_EXCEPTION("CUDA out of memory. Tried to allocate 9 GiB")
+
+    monkeypatch.setattr(graph_sampler.comfy_nodes, "common_ksampler", oom)
+    latent = {"samples": torch.zeros((2, 16, 6, 8))}
+    args = (dit, 7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    with pytest.raises(comfy.model_management.OOM_EXCEPTION) as e:  # ComfyUI then unloads
+        graph_sampler.CUDAGraphSampler.execute(*args)
+    msg = str(e.value)
+    need = dit.model.memory_required(latent["samples"].shape) / 2**30
+    assert "at 64×48, batch 2" in msg and f"estimates {need:.1f} GiB" in msg, msg
+    assert "--lowvram" in msg and "Tried to allocate 9 GiB" in msg
+
+
 def test_new_weights_recapture_and_drop_stale_graphs(dit):
     cache = cuda_graphs.cache_for(dit.model)
     cache.clear()
