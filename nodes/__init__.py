@@ -6,7 +6,7 @@ from typing_extensions import override
 from .graph_sampler import CUDAGraphSampler
 from .loader import Loader
 from .vae_patches import FusedNormPatch, TextureUpsample
-from .vae_tiling import VAEDecodeTiled
+from .vae_tiling import VAEDecodeTiled, VAEEncodeTiled
 
 NODES: list[type[io.ComfyNode]] = [
     Loader,
@@ -14,6 +14,7 @@ NODES: list[type[io.ComfyNode]] = [
     FusedNormPatch,
     TextureUpsample,
     VAEDecodeTiled,
+    VAEEncodeTiled,
 ]
 
 

@@ -1,4 +1,4 @@
-"""VAE Tiling: an exact tiled decode that stays inside a VRAM budget."""
+"""VAE Tiling: an exact tiled decode, and encode, that stay inside a VRAM budget."""
 
 import contextlib
 import logging
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 GiB = 1024**3
 
 
-# what a decoder whose modules are called in a way this pack does not know raises mid-decode
+# what a model whose modules are called in a way this pack does not know raises mid-run
 INTERFACE_ERRORS = (AttributeError, TypeError, NotImplementedError)
 
 
@@ -31,17 +31,18 @@ def _free_memory(vae, device) -> int:
 
 
 # What the automatic budget asks ComfyUI to make room for: a 2512² Qwen decode runs at full
-# speed in it (benchmarks/RESULTS.md). Smaller decodes ask for what stock would.
+# speed in it (benchmarks/RESULTS.md). Smaller runs ask for what stock would.
 AUTO_REQUEST = 4 * GiB
 
 
-def _request(vae, latent, budget: int) -> int:
-    """The VRAM to ask ComfyUI's memory manager for: the budget, else AUTO_REQUEST or stock
-    VAEDecode's own estimate where that is smaller."""
+def _request(vae, x, budget: int, estimate: str = "memory_used_decode") -> int:
+    """The VRAM to ask ComfyUI's memory manager for: the budget, else AUTO_REQUEST or stock's
+    own estimate (`vae.memory_used_decode` or `memory_used_encode` of x) where that is
+    smaller."""
     if budget:
         return budget
-    estimate = getattr(vae, "memory_used_decode", None)
-    stock = estimate(latent.shape, vae.vae_dtype) if callable(estimate) else AUTO_REQUEST
+    fn = getattr(vae, estimate, None)
+    stock = fn(x.shape, vae.vae_dtype) if callable(fn) else AUTO_REQUEST
     return int(min(stock, AUTO_REQUEST))
 
 
@@ -78,29 +79,31 @@ def _device_context(device):
     return ctx(device) if callable(ctx) else contextlib.nullcontext()
 
 
-def _fall_back(info: dict, reason: str) -> None:
+def _fall_back(info: dict, reason: str, what: str) -> None:
     info["fallback"] = reason
-    _warn_once(f"VAE Tiling: {reason}; using ComfyUI's VAE decode instead")
+    _warn_once(f"VAE Tiling: {reason}; using ComfyUI's VAE {what} instead")
 
 
-def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | None:
-    """The decoder's output (B, C, [T,] H, W) on the VAE's device, or None where the decoder
-    is not one VAE Tiling knows (the reason is in info["fallback"])."""
+def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | None:
+    """The decoder's (what="decode") or encoder's ("encode") output for x, run tile by tile,
+    on the VAE's device; None where the model is not one VAE Tiling knows (the reason is in
+    info["fallback"])."""
+    describe = vae_tiling.decoder_ops if what == "decode" else vae_tiling.encoder_ops
     budget = int(budget_gb * GiB)
-    request = _request(vae, latent, budget)
+    request = _request(vae, x, budget, f"memory_used_{what}")
     # load first: the op list must hold the modules of this VAE's (possibly patched) tree
     _make_room(vae, request)
     try:
-        ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
+        ops = describe(vae.first_stage_model, x)
     except NotImplementedError as e:
-        _fall_back(info, f"{e} is not supported")
+        _fall_back(info, f"{e} is not supported", what)
         return None
 
     device = vae.device
     budget = budget or _auto_budget(vae, device, request)
-    x = latent.to(device=device, dtype=vae.vae_dtype)
+    x = x.to(device=device, dtype=vae.vae_dtype)
     for attempt in range(3):
-        plan = vae_tiling.plan_decode(ops, tuple(x.shape), vae.vae_dtype, budget, tile_size)
+        plan = vae_tiling.plan_tiles(ops, tuple(x.shape), vae.vae_dtype, budget, tile_size)
         pbar = comfy.utils.ProgressBar(plan.total)
 
         def progress(done, total, pbar=pbar):
@@ -110,7 +113,8 @@ def _decode_tiled(vae, latent, tile_size, budget_gb, info) -> torch.Tensor | Non
         try:
             return vae_tiling.execute(plan, x, device, progress)
         except INTERFACE_ERRORS as e:  # a module called differently on this ComfyUI
-            _fall_back(info, f"the decoder does not run tile by tile ({type(e).__name__}: {e})")
+            reason = f"the {what}r does not run tile by tile ({type(e).__name__}: {e})"
+            _fall_back(info, reason, what)
             return None
         except Exception as e:
             if not _is_oom(e):
@@ -148,13 +152,76 @@ def decode(
     if getattr(vae, "latent_dim", 2) == 3 and latent.ndim == 4:
         latent = latent.unsqueeze(2)
     with _device_context(vae.device):
-        out = _decode_tiled(vae, latent, tile_size, budget_gb, info)
+        out = _run_tiled(vae, latent, "decode", tile_size, budget_gb, info)
     if out is None:
         return vae.decode(latent)
     # a copy made here is a normal tensor, which process_output may change in place (newer
     # hosts do) also outside inference mode
     out = out.to(device=vae.output_device, dtype=_output_dtype(vae), copy=True)
     return vae.process_output(out).movedim(1, -1)
+
+
+def encode(
+    vae,
+    pixels: torch.Tensor,
+    tile_size: int = 0,
+    budget_gb: float = 0.0,
+    info: dict | None = None,
+) -> torch.Tensor:
+    """Encode images (B, H, W, C) in 0..1 like ComfyUI's VAEEncode, tile by tile; returns the
+    latent `VAE.encode` returns, in its shape, dtype and device.
+
+    An encoder VAE Tiling does not recognise runs through `VAE.encode`, with the reason
+    logged once and stored in info["fallback"] (info: optional dict, filled in).
+    """
+    vae.throw_exception_if_invalid()
+    info = {} if info is None else info
+    if not hasattr(vae, "pad_channel_value"):  # older hosts: VAEEncode keeps three channels
+        pixels = pixels[..., :3]
+    pixels = vae.vae_encode_crop_pixels(pixels)  # newer hosts also fit the channels here
+    # as VAE.encode: channels first; a 3-D VAE takes the images as frames of one video
+    x = pixels.movedim(-1, 1)
+    if vae.latent_dim == 3 and x.ndim < 5:
+        x = x.unsqueeze(2) if vae.not_video else x.movedim(1, 0).unsqueeze(0)
+    with _device_context(vae.device):
+        out = _run_tiled(vae, vae.process_input(x), "encode", tile_size, budget_gb, info)
+    if out is None:
+        return vae.encode(pixels)
+    # a contiguous copy, as the host's: a normal tensor also outside inference mode
+    return out.to(
+        device=vae.output_device,
+        dtype=_output_dtype(vae),
+        memory_format=torch.contiguous_format,
+        copy=True,
+    )
+
+
+def _tiling_inputs(what: str) -> list:
+    """tile_size and vram_budget_gb, for the decode or the encode."""
+    return [
+        io.Int.Input(
+            "tile_size",
+            default=0,
+            min=0,
+            max=16384,
+            step=8,
+            optional=True,
+            tooltip="Tile side in pixels; 0 picks the largest tile that fits the budget. "
+            "Smaller tiles need less memory but recompute more halo, so they are slower.",
+        ),
+        io.Float.Input(
+            "vram_budget_gb",
+            default=0.0,
+            min=0.0,
+            max=1024.0,
+            step=0.25,
+            optional=True,
+            tooltip=f"VRAM the {what} may use on top of the VAE weights; ComfyUI unloads "
+            "or offloads other models to make room for it. 0 = automatic: room for up "
+            "to 4 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
+            f"budget means smaller tiles and a slower {what}.",
+        ),
+    ]
 
 
 class VAEDecodeTiled(io.ComfyNode):
@@ -176,28 +243,7 @@ class VAEDecodeTiled(io.ComfyNode):
                     tooltip="Qwen-Image/Wan 2.1 or AutoencoderKL (SD1.5, SDXL, SD3, Flux) VAEs "
                     "are tiled exactly; others use ComfyUI's decode.",
                 ),
-                io.Int.Input(
-                    "tile_size",
-                    default=0,
-                    min=0,
-                    max=16384,
-                    step=8,
-                    optional=True,
-                    tooltip="Tile side in pixels; 0 picks the largest tile that fits the budget. "
-                    "Smaller tiles need less memory but recompute more halo, so they are slower.",
-                ),
-                io.Float.Input(
-                    "vram_budget_gb",
-                    default=0.0,
-                    min=0.0,
-                    max=1024.0,
-                    step=0.25,
-                    optional=True,
-                    tooltip="VRAM the decode may use on top of the VAE weights; ComfyUI unloads "
-                    "or offloads other models to make room for it. 0 = automatic: room for up "
-                    "to 4 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
-                    "budget means smaller tiles and a slower decode.",
-                ),
+                *_tiling_inputs("decode"),
             ],
             outputs=[io.Image.Output()],
             hidden=[io.Hidden.unique_id],
@@ -210,3 +256,38 @@ class VAEDecodeTiled(io.ComfyNode):
         if images.ndim == 5:  # combine batches, as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
         return io.NodeOutput(images)
+
+
+class VAEEncodeTiled(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="QwenTurboVAEEncodeTiled",
+            display_name="VAE Tiling Encode",
+            category="QwenTurbo",
+            description=(
+                "Encodes images tile by tile within a VRAM budget. Each tile is computed with "
+                "a halo as wide as the encoder's receptive field and the global attention runs "
+                "once, so the latent equals an untiled encode: no seams, no blending."
+            ),
+            inputs=[
+                io.Image.Input(
+                    "pixels",
+                    tooltip="The images to encode; cropped to a multiple of 8 as VAEEncode does.",
+                ),
+                io.Vae.Input(
+                    "vae",
+                    tooltip="Qwen-Image/Wan 2.1 or AutoencoderKL (SD1.5, SDXL, SD3, Flux) VAEs "
+                    "are tiled exactly; others use ComfyUI's encode.",
+                ),
+                *_tiling_inputs("encode"),
+            ],
+            outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, pixels, vae, tile_size=0, vram_budget_gb=0.0) -> io.NodeOutput:
+        with report.measured(cls) as extra:
+            samples = encode(vae, pixels, tile_size, vram_budget_gb, info=extra)
+        return io.NodeOutput({"samples": samples})

@@ -1,27 +1,30 @@
-"""Exact tiled VAE decoding under a memory budget.
+"""Exact tiled VAE decoding and encoding under a memory budget.
 
-A decoder is described as a list of ops:
-- `Local`: maps a spatial crop to a crop `scale` times larger; an output pixel depends only on
-  input pixels within `radius` (in input pixels).
+A decoder or encoder is described as a list of ops:
+- `Local`: maps a spatial crop to a crop `scale` times as large (1/2 for a downsampling op);
+  an output pixel depends only on input pixels within `radius` (in input pixels).
 - `Global`: needs the whole tensor (the mid-block attention). It runs untiled, at latent size.
 - `Stats`: a GroupNorm's statistics over the whole tensor, accumulated tile by tile and read by
   the Local op that follows.
 
 Runs of Local ops execute as chains. Each tile reads its input with a halo as wide as the
 chain's receptive field and keeps only its interior, so tiles are stitched, never blended, and
-the result equals an untiled decode. A chain ends wherever its full output is small enough to
-keep; keeping it costs memory, recomputing halos costs time.
+the result equals an untiled run. Where a chain downsamples, tile borders and halos sit on
+multiples of its downscale factor, so every crop sees the whole tensor's pixel grid. A chain
+ends wherever its full output is small enough to keep; keeping it costs memory, recomputing
+halos costs time.
 
-The decoders are recognised by structure (ComfyUI's Wan 2.1 `Decoder3d` and the AutoencoderKL
-`Decoder`): class names, attributes, layer types and `forward` signatures, never ComfyUI's
-version, so this module does not import ComfyUI. What is not recognised raises
-NotImplementedError naming it, and the caller decodes the stock way.
+The models are recognised by structure (ComfyUI's Wan 2.1 `Decoder3d`/`Encoder3d` and the
+AutoencoderKL `Decoder`/`Encoder`): class names, attributes, layer types and `forward`
+signatures, never ComfyUI's version, so this module does not import ComfyUI. What is not
+recognised raises NotImplementedError naming it, and the caller runs the stock way.
 """
 
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +75,7 @@ class Stats:
         return group_norm_apply(x, self.mean, self.rstd, w, b)
 
 
-# ---------------------------------------------------------------- decoder descriptions
+# ---------------------------------------------------------------- model descriptions
 
 
 def _call(module) -> Callable[..., State]:
@@ -86,7 +89,7 @@ def _require(condition: bool, what: str) -> None:
 
 def _callable(module, where: str) -> None:
     """The ops call `module(x)` where the host passes only arguments that are None or the
-    defaults for one frame / a 2-D decode; a forward that needs more is not recognised."""
+    defaults for one frame / a 2-D run; a forward that needs more is not recognised."""
     why = input_only_reason(module)
     _require(why is None, f"{where}: {why}")
 
@@ -99,8 +102,51 @@ def _conv(module, where: str, kind: type = torch.nn.Conv2d):
     return module
 
 
+HALF = Fraction(1, 2)
+
+
+def _wan_layer(layer, where: str, c: int) -> Local | Global:
+    """A layer of a Wan `Encoder3d`/`Decoder3d` called without a feature cache; c: its input
+    channels. For one frame a `Resample` skips its time conv."""
+    kind = type(layer).__name__
+    _callable(layer, f"{where} ({kind})")
+    if kind == "ResidualBlock":
+        c_in, c = layer.in_dim, layer.out_dim
+        # x, norm, SiLU, the 3-frame padded copy of each causal conv input, conv output
+        return Local(_call(layer), c, 2 * c_in + 6 * max(c_in, c), radius=2)
+    if kind == "AttentionBlock":
+        return Global(_call(layer), c)
+    mode = getattr(layer, "mode", "")
+    if kind == "Resample" and mode in ("upsample2d", "upsample3d"):
+        c = layer.dim // 2
+        return Local(_call(layer), c, 5 * c, scale=2, radius=0.5)
+    if kind == "Resample" and mode in ("downsample2d", "downsample3d"):
+        # zero-pad right and bottom, 3x3 conv of stride 2: the input, its padded copy, output
+        conv = _conv(layer.resample[-1], f"{where}.resample[-1]")
+        _require(conv.stride == (2, 2), f"{where} with stride {conv.stride}")
+        return Local(_call(layer), layer.dim, 9 * layer.dim, scale=HALF, radius=1)
+    raise NotImplementedError(f"{where} {kind} ({mode})")
+
+
+def _wan_chain(first, layers, head, where: str) -> list:
+    """conv1, the layers, head (RMS norm, SiLU, causal conv) of a Wan encoder or decoder."""
+    c0 = _conv(first, f"{where}.conv1", torch.nn.Conv3d).out_channels
+    _callable(first, f"{where}.conv1")
+    # the input, its 3-frame padded copy, the output
+    ops = [Local(_call(first), c0, 4 * first.in_channels + c0, radius=1)]
+    c = c0
+    for i, layer in enumerate(layers):
+        ops.append(_wan_layer(layer, f"{where} layer {i}", c))
+        c = ops[-1].out_channels
+    _require(isinstance(head, torch.nn.Sequential), f"{where}.head is not a Sequential")
+    out = _conv(head[-1], f"{where}.head[-1]", torch.nn.Conv3d).out_channels
+    _callable(head[-1], f"{where}.head[-1]")
+    ops.append(Local(_call(head), out, 6 * c, radius=1))
+    return ops
+
+
 def _wan_ops(vae) -> list:
-    """ComfyUI's Wan 2.1 / Qwen-Image VAE (`comfy.ldm.wan.vae.WanVAE`) for one frame.
+    """ComfyUI's Wan 2.1 / Qwen-Image VAE (`comfy.ldm.wan.vae.WanVAE`) decoder for one frame.
 
     For T=1 every CausalConv3d sees zero temporal padding and `Resample` skips its time conv,
     so calling the modules without a feature cache matches `WanVAE.decode` (newer hosts run
@@ -109,34 +155,24 @@ def _wan_ops(vae) -> list:
     """
     dec = vae.decoder
     z = _conv(vae.conv2, "WanVAE.conv2", torch.nn.Conv3d).out_channels
-    c0 = _conv(dec.conv1, "Decoder3d.conv1", torch.nn.Conv3d).out_channels
     _callable(vae.conv2, "WanVAE.conv2")
-    _callable(dec.conv1, "Decoder3d.conv1")
-    ops = [
-        Local(_call(vae.conv2), z, 2 * z),
-        Local(_call(dec.conv1), c0, 4 * z + c0, radius=1),
-    ]
-    c = c0
-    for i, layer in enumerate([*dec.middle, *dec.upsamples]):
-        kind = type(layer).__name__
-        _callable(layer, f"Wan decoder layer {i} ({kind})")
-        if kind == "ResidualBlock":
-            c_in, c = layer.in_dim, layer.out_dim
-            # x, norm, SiLU, the 3-frame padded copy of each causal conv input, conv output
-            ops.append(Local(_call(layer), c, 2 * c_in + 6 * max(c_in, c), radius=2))
-        elif kind == "AttentionBlock":
-            ops.append(Global(_call(layer), c))
-        elif kind == "Resample" and layer.mode in ("upsample2d", "upsample3d"):
-            c = layer.dim // 2
-            ops.append(Local(_call(layer), c, 5 * c, scale=2, radius=0.5))
-        else:
-            raise NotImplementedError(f"Wan decoder layer {kind} ({getattr(layer, 'mode', '')})")
-    head = dec.head
-    _require(isinstance(head, torch.nn.Sequential), "Decoder3d.head is not a Sequential")
-    out = _conv(head[-1], "Decoder3d.head[-1]", torch.nn.Conv3d).out_channels
-    _callable(head[-1], "Decoder3d.head[-1]")
-    ops.append(Local(_call(head), out, 6 * c, radius=1))
-    return ops
+    ops = _wan_chain(dec.conv1, [*dec.middle, *dec.upsamples], dec.head, "Decoder3d")
+    return [Local(_call(vae.conv2), z, 2 * z), *ops]
+
+
+def _wan_encoder_ops(vae) -> list:
+    """The Wan VAE's encoder for one frame, then `conv1` and the mean half of its channels, as
+    `WanVAE.encode` (the first frame's feature cache is empty: the same as none)."""
+    enc = vae.encoder
+    ops = _wan_chain(enc.conv1, [*enc.downsamples, *enc.middle], enc.head, "Encoder3d")
+    conv = _conv(vae.conv1, "WanVAE.conv1", torch.nn.Conv3d)
+    _callable(conv, "WanVAE.conv1")
+    c = conv.out_channels
+
+    def mean(x):
+        return (conv(x).chunk(2, dim=1)[0],)
+
+    return [*ops, Local(mean, c // 2, 3 * c)]
 
 
 def _group_norm(m) -> torch.nn.Module:
@@ -175,6 +211,46 @@ def _resnet_ops(block) -> list:
     ]
 
 
+def _kl_blocks(level, where: str) -> list:
+    """The ResnetBlocks of one AutoencoderKL level, each followed by its attention if any."""
+    ops = []
+    for i_block, block in enumerate(level.block):
+        ops += _resnet_ops(block)
+        if len(level.attn) > 0:
+            _callable(level.attn[i_block], f"{where}.attn")
+            ops.append(Global(_call(level.attn[i_block]), block.out_channels))
+    return ops
+
+
+def _kl_mid(coder, c: int) -> list:
+    mid = coder.mid
+    _callable(mid.attn_1, f"{type(coder).__name__}.mid.attn_1")
+    return [*_resnet_ops(mid.block_1), Global(_call(mid.attn_1), c), *_resnet_ops(mid.block_2)]
+
+
+def _kl_head(coder, c: int, tanh: bool = False) -> list:
+    """norm_out, SiLU, conv_out (then tanh where the decoder has it)."""
+    norm_out = Stats(_group_norm(coder.norm_out), 0)
+    conv_out = _conv(coder.conv_out, f"{type(coder).__name__}.conv_out")
+
+    def head(x):
+        y = conv_out(F.silu(norm_out.apply(x)))
+        return (torch.tanh(y) if tanh else y,)
+
+    return [norm_out, Local(head, conv_out.out_channels, 5 * c, radius=1)]
+
+
+def _kl_quant(vae, name: str) -> list:
+    """The 1x1 `quant_conv` / `post_quant_conv` of AutoencoderKL (none in AutoencodingEngine)."""
+    if type(vae).__name__ == "AutoencodingEngine":
+        return []
+    conv = getattr(vae, name)
+    if isinstance(conv, torch.nn.Identity):
+        return []
+    _conv(conv, name)
+    return [Local(_call(conv), conv.out_channels, 2 * conv.out_channels)]
+
+
 def _latent_batch_norm(vae) -> Local:
     """Newer ComfyUI's latent batch norm (Flux 2's VAE), undone before `post_quant_conv`:
     z * sqrt(var + eps) + mean per channel, then channels (c, pi, pj) to 2x2 pixels."""
@@ -191,6 +267,20 @@ def _latent_batch_norm(vae) -> Local:
     return Local(fn, c, 3 * c, scale=ps[0])
 
 
+def _latent_batch_norm_encode(vae) -> Local:
+    """The encode side of `_latent_batch_norm`: 2x2 pixels to channels, then the batch norm
+    with the running statistics, as `AutoencodingEngineLegacy.encode`."""
+    bn, eps, ps = vae.bn, vae.bn_eps, tuple(vae.ps)
+    _require(ps[0] == ps[1], f"latent batch norm with patch {ps}")
+    c = bn.running_mean.shape[0]
+
+    def fn(z):
+        z = F.pixel_unshuffle(z, ps[0])
+        return (F.batch_norm(z, bn.running_mean.to(z), bn.running_var.to(z), eps=eps),)
+
+    return Local(fn, c, 3 * c, scale=Fraction(1, ps[0]))
+
+
 def _autoencoder_kl_ops(vae) -> list:
     """ComfyUI's AutoencoderKL decoder (SD1.5, SDXL, SD3, Flux, Flux 2), 2-D convolutions.
 
@@ -201,29 +291,17 @@ def _autoencoder_kl_ops(vae) -> list:
     _require(not getattr(dec, "give_pre_end", False), "decoders with give_pre_end")
     _require(not getattr(dec, "carried", False), "decoders with carried 3-D convolutions")
     ops = []
-    if type(vae).__name__ != "AutoencodingEngine":  # AutoencoderKL / ...Legacy
-        if getattr(vae, "bn", None) is not None:
-            ops.append(_latent_batch_norm(vae))
-        pqc = vae.post_quant_conv
-        if isinstance(pqc, torch.nn.Conv2d):
-            ops.append(Local(_call(pqc), pqc.out_channels, 2 * pqc.out_channels))
-        else:
-            _require(isinstance(pqc, torch.nn.Identity), f"post_quant_conv {type(pqc).__name__}")
+    if getattr(vae, "bn", None) is not None and type(vae).__name__ != "AutoencodingEngine":
+        ops.append(_latent_batch_norm(vae))
+    ops += _kl_quant(vae, "post_quant_conv")
     conv_in = _conv(dec.conv_in, "Decoder.conv_in")
     c = conv_in.out_channels
-    ops.append(Local(_call(conv_in), c, 2 * c, radius=1))
-    _callable(dec.mid.attn_1, "Decoder.mid.attn_1")
-    ops += [*_resnet_ops(dec.mid.block_1), Global(_call(dec.mid.attn_1), c)]
-    ops += _resnet_ops(dec.mid.block_2)
+    ops += [Local(_call(conv_in), c, 2 * c, radius=1), *_kl_mid(dec, c)]
     for i_level in reversed(range(dec.num_resolutions)):
         up = dec.up[i_level]
         _require(len(up.block) == dec.num_res_blocks + 1, f"Decoder.up[{i_level}] block count")
-        for i_block, block in enumerate(up.block):
-            ops += _resnet_ops(block)
-            c = block.out_channels
-            if len(up.attn) > 0:
-                _callable(up.attn[i_block], f"Decoder.up[{i_level}].attn")
-                ops.append(Global(_call(up.attn[i_block]), c))
+        ops += _kl_blocks(up, f"Decoder.up[{i_level}]")
+        c = up.block[-1].out_channels
         if i_level != 0:
             sample = up.upsample
             where = f"Decoder.up[{i_level}].upsample"
@@ -236,21 +314,70 @@ def _autoencoder_kl_ops(vae) -> list:
                 _conv(conv, f"{where}.conv")
             r = 0.5 if sample.with_conv else 0.0
             ops.append(Local(_call(sample), c, 3 * c, scale=2, radius=r))
-    norm_out = Stats(_group_norm(dec.norm_out), 0)
-    conv_out = _conv(dec.conv_out, "Decoder.conv_out")
-    tanh = getattr(dec, "tanh_out", False)
+    return ops + _kl_head(dec, c, tanh=getattr(dec, "tanh_out", False))
 
-    def head(x):
-        y = conv_out(F.silu(norm_out.apply(x)))
-        return (torch.tanh(y) if tanh else y,)
 
-    ops += [norm_out, Local(head, conv_out.out_channels, 5 * c, radius=1)]
+def _autoencoder_kl_encoder_ops(vae) -> list:
+    """ComfyUI's AutoencoderKL encoder with 2-D convolutions, then `quant_conv`, the
+    regularizer (the Gaussian's mean; run whole, as the host runs it) and, on newer hosts,
+    Flux 2's latent batch norm."""
+    enc = vae.encoder
+    conv_in = _conv(enc.conv_in, "Encoder.conv_in")
+    c = conv_in.out_channels
+    ops = [Local(_call(conv_in), c, 2 * c, radius=1)]
+    for i_level in range(enc.num_resolutions):
+        down = enc.down[i_level]
+        _require(len(down.block) == enc.num_res_blocks, f"Encoder.down[{i_level}] block count")
+        ops += _kl_blocks(down, f"Encoder.down[{i_level}]")
+        c = down.block[-1].out_channels
+        if i_level != enc.num_resolutions - 1:
+            sample = down.downsample
+            where = f"Encoder.down[{i_level}].downsample"
+            _callable(sample, where)
+            if sample.with_conv:  # zero-pad right and bottom, 3x3 conv of stride 2
+                conv = _conv(sample.conv, f"{where}.conv")
+                _require(conv.stride == (2, 2), f"{where}.conv with stride {conv.stride}")
+            r = 1 if sample.with_conv else 0  # else a 2x2 average
+            ops.append(Local(_call(sample), c, 9 * c, scale=HALF, radius=r))
+    ops += [*_kl_mid(enc, c), *_kl_head(enc, c), *_kl_quant(vae, "quant_conv")]
+    regularize = vae.regularization  # its output has at most as many channels as its input
+    ops.append(Global(lambda z: (regularize(z)[0],), ops[-1].out_channels))
+    if getattr(vae, "bn", None) is not None and type(vae).__name__ != "AutoencodingEngine":
+        ops.append(_latent_batch_norm_encode(vae))
     return ops
 
 
-WAN_MODULE = "wan.vae"  # comfy.ldm.wan.vae (not vae2_2: Wan 2.2's decoder differs)
+WAN_MODULE = "wan.vae"  # comfy.ldm.wan.vae (not vae2_2: Wan 2.2's layers differ)
 KL_MODULE = "diffusionmodules.model"
 KL_MODELS = ("AutoencoderKL", "AutoencodingEngineLegacy", "AutoencodingEngine")
+
+
+def _ops(first_stage_model, x: torch.Tensor, part: str, wan: tuple, kl: tuple) -> list:
+    """The ops of `first_stage_model`'s `part` ("decoder" or "encoder"); wan: (the Wan class,
+    the WanVAE 1x1 conv beside it, its ops); kl: (the AutoencoderKL class, its ops)."""
+    m = first_stage_model
+    coder = getattr(m, part, None)
+    kind = type(coder).__name__
+    what = "latents" if part == "decoder" else "images"
+    try:
+        if (
+            type(m).__name__ == "WanVAE"
+            and type(m).__module__.endswith(WAN_MODULE)
+            and kind == wan[0]
+            and hasattr(m, wan[1])
+        ):
+            if x.ndim != 5 or x.shape[2] != 1:
+                raise NotImplementedError(f"Wan {what} with T != 1 (shape {tuple(x.shape)})")
+            return wan[2](m)
+        if kind == kl[0] and type(coder).__module__.endswith(KL_MODULE):
+            if type(m).__name__ not in KL_MODELS:
+                raise NotImplementedError(f"the first-stage model {type(m).__name__}")
+            if x.ndim != 4:
+                raise NotImplementedError(f"{what} of {x.ndim} dimensions for a 2-D VAE")
+            return kl[1](m)
+    except (AttributeError, IndexError, TypeError) as e:  # a layout this module does not know
+        raise NotImplementedError(f"the {kind} layout ({type(e).__name__}: {e})") from e
+    raise NotImplementedError(f"the VAE {type(m).__name__} with {part} {kind}")
 
 
 def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
@@ -258,28 +385,23 @@ def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
 
     Raises NotImplementedError naming what is not supported, so callers can fall back.
     """
-    m = first_stage_model
-    dec = getattr(m, "decoder", None)
-    kind = type(dec).__name__
-    try:
-        if (
-            type(m).__name__ == "WanVAE"
-            and type(m).__module__.endswith(WAN_MODULE)
-            and kind == "Decoder3d"
-            and hasattr(m, "conv2")
-        ):
-            if latent.ndim != 5 or latent.shape[2] != 1:
-                raise NotImplementedError(f"Wan latents with T != 1 (shape {tuple(latent.shape)})")
-            return _wan_ops(m)
-        if kind == "Decoder" and type(dec).__module__.endswith(KL_MODULE):
-            if type(m).__name__ not in KL_MODELS:
-                raise NotImplementedError(f"the first-stage model {type(m).__name__}")
-            if latent.ndim != 4:
-                raise NotImplementedError(f"a {latent.ndim}-D latent for a 2-D VAE")
-            return _autoencoder_kl_ops(m)
-    except (AttributeError, IndexError, TypeError) as e:  # a layout this module does not know
-        raise NotImplementedError(f"the {kind} layout ({type(e).__name__}: {e})") from e
-    raise NotImplementedError(f"the VAE {type(m).__name__} with decoder {kind}")
+    wan, kl = ("Decoder3d", "conv2", _wan_ops), ("Decoder", _autoencoder_kl_ops)
+    return _ops(first_stage_model, latent, "decoder", wan, kl)
+
+
+def encoder_ops(first_stage_model, pixels: torch.Tensor) -> list:
+    """The op list for encoding `pixels` (B, C, [T,] H, W), processed as the host's
+    `VAE.encode` hands them to the model, into the latent `first_stage_model.encode` returns.
+
+    Raises NotImplementedError naming what is not supported, so callers can fall back.
+    """
+    wan = ("Encoder3d", "conv1", _wan_encoder_ops)
+    ops = _ops(first_stage_model, pixels, "encoder", wan, ("Encoder", _autoencoder_kl_encoder_ops))
+    down = math.prod(op.scale for op in ops if isinstance(op, Local)).denominator
+    h, w = pixels.shape[-2:]
+    if h % down or w % down:
+        raise NotImplementedError(f"a {h}x{w} image (not a multiple of {down})")
+    return ops
 
 
 # ---------------------------------------------------------------- planning
@@ -288,7 +410,7 @@ def decoder_ops(first_stage_model, latent: torch.Tensor) -> list:
 @dataclass
 class Chain:
     ops: list
-    scale: int
+    scale: Fraction  # output size / input size
     halo: int
     tiles: list[tuple[int, int, int, int]]  # (y0, y1, x0, x1) in input pixels
     store_on_device: bool
@@ -307,25 +429,29 @@ class Plan:
         return max((len(s.tiles) for s in self.steps if isinstance(s, Chain)), default=1)
 
 
-def _grid(h: int, w: int, th: int, tw: int) -> list[tuple[int, int, int, int]]:
+def _grid(h: int, w: int, th: int, tw: int, step: int) -> list[tuple[int, int, int, int]]:
+    """Tiles of about th x tw covering h x w, their borders on multiples of `step`."""
     ny, nx = math.ceil(h / th), math.ceil(w / tw)
-    ys = [round(i * h / ny) for i in range(ny + 1)]
-    xs = [round(i * w / nx) for i in range(nx + 1)]
+    ys = [round(i * (h // step) / ny) * step for i in range(ny)] + [h]
+    xs = [round(i * (w // step) / nx) * step for i in range(nx)] + [w]
     return [(ys[i], ys[i + 1], xs[j], xs[j + 1]) for i in range(ny) for j in range(nx)]
 
 
-def _chain_geometry(ops: list) -> tuple[int, int]:
-    scale, radius = 1, 0.0
+def _chain_geometry(ops: list) -> tuple[Fraction, int, int]:
+    """(scale, halo, step): tile borders and the halo sit on multiples of `step`, the chain's
+    downscale factor, so every downsampling op sees the same pixel grid as untiled."""
+    scale, radius, step = Fraction(1), 0.0, 1
     for op in ops:
         radius += op.radius / scale
         scale *= op.scale
-    return scale, math.ceil(radius - 1e-9)
+        step = math.lcm(step, scale.denominator)
+    return scale, step * math.ceil(radius / step - 1e-9), step
 
 
 def _tile_bytes(ops, c_in, th, tw, halo, per_px) -> float:
     """Working set of one tile of a chain: its input crop, the largest op, its output."""
     pix = (th + 2 * halo) * (tw + 2 * halo)
-    c, worst, scale = c_in, 0.0, 1
+    c, worst, scale = c_in, 0.0, 1.0
     for op in ops:
         scale *= op.scale
         worst = max(worst, op.peak_channels * pix * scale * scale)
@@ -333,7 +459,7 @@ def _tile_bytes(ops, c_in, th, tw, halo, per_px) -> float:
     return per_px * (c_in * pix + worst + c * th * tw * scale * scale)
 
 
-def plan_decode(
+def plan_tiles(
     ops: list,
     shape: tuple[int, ...],
     dtype: torch.dtype,
@@ -342,14 +468,15 @@ def plan_decode(
 ) -> Plan:
     """Split `ops` into chains and tiles so that the working set stays within `budget` bytes.
 
-    shape: the latent's shape (B, C, [T,] H, W). tile_px: tile side in pixels at each chain's
-    output resolution (image pixels for the last chain), 0 = the largest tile that fits.
+    shape: the input's shape (B, C, [T,] H, W). tile_px: tile side in pixels at each chain's
+    larger end (image pixels for a decoder's last chain and an encoder's first), 0 = the
+    largest tile that fits.
     """
     batch = shape[0] * (shape[2] if len(shape) == 5 else 1)
     per_px = batch * torch.finfo(dtype).bits // 8
     keep_limit = budget / 4  # a chain may end where its output is this small
     c, h, w = shape[1], shape[-2], shape[-1]
-    plan = Plan()
+    out = Plan()
     run: list[Local] = []
     resident = True  # whether the current state is on the device
 
@@ -357,19 +484,22 @@ def plan_decode(
         nonlocal c, h, w, resident
         if not run:
             return
-        scale, halo = _chain_geometry(run)
+        scale, halo, step = _chain_geometry(run)
         c_out = run[-1].out_channels
         in_bytes = per_px * c * h * w if resident else 0
-        out_bytes = per_px * c_out * h * w * scale * scale
+        out_bytes = per_px * c_out * h * w * float(scale) ** 2
         on_device = in_bytes + out_bytes <= 0.6 * budget
         held = in_bytes + (out_bytes if on_device else 0)
 
         def fits(th, tw, halo=halo):
             return _tile_bytes(run, c, th, tw, halo, per_px) + held <= budget
 
+        def side(t, n):  # a tile side: on the grid's step, within the tensor
+            return min(step * max(1, math.ceil(t / step)), n)
+
         if tile_px:
-            t = max(1, math.ceil(tile_px / scale))
-            th, tw = min(t, h), min(t, w)
+            t = math.ceil(tile_px / max(scale, 1))
+            th, tw = side(t, h), side(t, w)
         elif fits(h, w, 0):
             th, tw = h, w
         else:
@@ -377,15 +507,15 @@ def plan_decode(
             # host is read or written, so each strip is one contiguous copy
 
             def tile(t):
-                return min(t, h), (min(t, w) if resident and on_device else w)
+                return side(t, h), (side(t, w) if resident and on_device else w)
 
             lo, hi = MIN_TILE, max(h, w)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(*tile(mid)) else (lo, mid - 1)
             th, tw = tile(lo)
-        plan.steps.append(Chain(list(run), scale, halo, _grid(h, w, th, tw), on_device))
-        c, h, w = c_out, h * scale, w * scale
+        out.steps.append(Chain(list(run), scale, halo, _grid(h, w, th, tw, step), on_device))
+        c, h, w = c_out, int(h * scale), int(w * scale)
         resident = on_device
         run.clear()
 
@@ -393,18 +523,19 @@ def plan_decode(
         if isinstance(op, Local):
             run.append(op)
             # end the chain where its output is cheap to keep
-            if per_px * op.out_channels * h * w * _chain_geometry(run)[0] ** 2 <= keep_limit:
+            scale = float(_chain_geometry(run)[0])
+            if per_px * op.out_channels * h * w * scale * scale <= keep_limit:
                 flush()
         else:
             flush()
             if isinstance(op, Stats):
                 rows = max(1, int(keep_limit // max(1, 4 * per_px * c * w)))
-                plan.steps.append((op, rows))
+                out.steps.append((op, rows))
             else:
-                plan.steps.append(op)
+                out.steps.append(op)
                 c, resident = op.out_channels, True
     flush()
-    return plan
+    return out
 
 
 # ---------------------------------------------------------------- execution
@@ -438,7 +569,11 @@ def _write(dst: torch.Tensor, src: torch.Tensor, y0: int, y1: int, x0: int, x1: 
 
 def _run_chain(chain: Chain, x: State, device, tick) -> State:
     h, w = x[0].shape[-2:]
-    s, halo = chain.scale, chain.halo
+    halo = chain.halo
+
+    def at(n: int) -> int:  # input pixels to output pixels (exact: tiles sit on the grid)
+        return int(n * chain.scale)
+
     out = None
     for y0, y1, x0, x1 in chain.tiles:
         a0, a1 = max(0, y0 - halo), min(h, y1 + halo)
@@ -446,21 +581,21 @@ def _run_chain(chain: Chain, x: State, device, tick) -> State:
         crop = tuple(_rows(t, a0, a1, b0, b1, device) for t in x)
         for op in chain.ops:
             crop = op.fn(*crop)
-        ya, xa = (y0 - a0) * s, (x0 - b0) * s
-        inner = [t[..., ya : ya + (y1 - y0) * s, xa : xa + (x1 - x0) * s] for t in crop]
+        ya, xa = at(y0 - a0), at(x0 - b0)
+        inner = [t[..., ya : ya + at(y1 - y0), xa : xa + at(x1 - x0)] for t in crop]
         if out is None:
             if chain.store_on_device and len(chain.tiles) == 1:
                 out = tuple(inner)
             elif chain.store_on_device:
                 out = tuple(
-                    torch.empty(*t.shape[:-2], h * s, w * s, dtype=t.dtype, device=device)
+                    torch.empty(*t.shape[:-2], at(h), at(w), dtype=t.dtype, device=device)
                     for t in inner
                 )
             else:
-                out = tuple(_host_buffer(t, h * s, w * s, device) for t in inner)
+                out = tuple(_host_buffer(t, at(h), at(w), device) for t in inner)
         if out[0] is not inner[0]:
             for o, t in zip(out, inner, strict=True):
-                _write(o, t, y0 * s, y1 * s, x0 * s, x1 * s)
+                _write(o, t, at(y0), at(y1), at(x0), at(x1))
         del crop, inner
         tick()
     return out
@@ -475,8 +610,9 @@ def _run_stats(op: Stats, rows: int, x: State, device) -> None:
     op.mean, op.rstd = finalize_moments(acc, op.norm.eps)
 
 
-def execute(plan: Plan, latent: torch.Tensor, device, progress=None) -> torch.Tensor:
-    """Run a plan on `latent` (already in the VAE's dtype). Returns the decoder's output.
+def execute(plan: Plan, x: torch.Tensor, device, progress=None) -> torch.Tensor:
+    """Run a plan on `x` (already in the VAE's dtype): a latent for a decoder's ops, pixels
+    for an encoder's. Returns the last op's output.
 
     progress: optional callable(done, total), called after each tile; it may raise to stop.
     """
@@ -488,15 +624,15 @@ def execute(plan: Plan, latent: torch.Tensor, device, progress=None) -> torch.Te
         if progress is not None:
             progress(done, total)
 
-    x: State = (latent,)
+    state: State = (x,)
     with torch.inference_mode():
         for step in plan.steps:
             if isinstance(step, Chain):
-                x = _run_chain(step, x, device, tick)
+                state = _run_chain(step, state, device, tick)
             elif isinstance(step, Global):
-                x = step.fn(*(t.to(device) for t in x))
+                state = step.fn(*(t.to(device) for t in state))
                 tick()
             else:
-                _run_stats(*step, x, device)
+                _run_stats(*step, state, device)
                 tick()
-    return x[0]
+    return state[0]

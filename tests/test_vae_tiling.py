@@ -56,7 +56,7 @@ def _max_tiles(vae, latent, tile_size, budget_gb):
         latent = latent.unsqueeze(2)
     ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
     budget = int(budget_gb * 2**30) or 2**40
-    return vae_tiling.plan_decode(ops, latent.shape, vae.vae_dtype, budget, tile_size).max_tiles
+    return vae_tiling.plan_tiles(ops, latent.shape, vae.vae_dtype, budget, tile_size).max_tiles
 
 
 @pytest.mark.slow
@@ -229,7 +229,7 @@ def test_plan_for_2512px_qwen_stays_within_4_gib():
     z = torch.empty((1, 16, 1, 314, 314), device="meta")
     ops = vae_tiling.decoder_ops(vae, z)
     budget = 4 * 2**30
-    plan = vae_tiling.plan_decode(ops, z.shape, torch.bfloat16, budget)
+    plan = vae_tiling.plan_tiles(ops, z.shape, torch.bfloat16, budget)
     chains = [s for s in plan.steps if isinstance(s, vae_tiling.Chain)]
     assert chains[-1].scale > 1 and len(chains[-1].tiles) > 1  # the 2512-px stages are tiled
     assert all(c.store_on_device for c in chains)
@@ -240,18 +240,18 @@ def memory_requests(monkeypatch):
     """What VAE Tiling asks ComfyUI's memory manager for (memory_required of each
     load_models_gpu call, in bytes), the real call still made; and the budgets planned."""
     asked, planned = [], []
-    load, plan = mm.load_models_gpu, vae_tiling.plan_decode
+    load, plan = mm.load_models_gpu, vae_tiling.plan_tiles
 
     def load_models_gpu(models, memory_required=0, **kwargs):
         asked.append(memory_required)
         return load(models, memory_required=memory_required, **kwargs)
 
-    def plan_decode(ops, shape, dtype, budget, tile_size=0):
+    def plan_tiles(ops, shape, dtype, budget, tile_size=0):
         planned.append(budget)
         return plan(ops, shape, dtype, budget, tile_size)
 
     monkeypatch.setattr(mm, "load_models_gpu", load_models_gpu)
-    monkeypatch.setattr(vae_tiling, "plan_decode", plan_decode)
+    monkeypatch.setattr(vae_tiling, "plan_tiles", plan_tiles)
     return asked, planned
 
 
