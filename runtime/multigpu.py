@@ -19,7 +19,8 @@ node's model patches or wrappers inside this one, ControlNet inputs) run on rank
 Operations are announced by a pickled header in the TCPStore, so an idle worker waits on a
 socket rather than in an NCCL collective that would time out. Workers start as plain
 subprocesses: a multiprocessing spawn would re-run ComfyUI's main.py in each of them (spawn
-re-imports `__main__`), custom nodes' prestartup scripts included.
+re-imports `__main__`), custom nodes' prestartup scripts included. ComfyUI's modules are
+imported inside functions: a worker imports this module before it sets ComfyUI's flags.
 """
 
 import atexit
@@ -352,9 +353,8 @@ class SeqParallel:
             q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
         q, k, v = (self._to_heads(t) for t in (q, k, v))
         h = heads // self.size
-        args = (q, k, v, h, None)
-        out = func(*args, skip_reshape=True, **kwargs) if inner is None else \
-            inner(func, *args, skip_reshape=True, **kwargs)  # fmt: skip
+        attention = func if inner is None else functools.partial(inner, func)
+        out = attention(q, k, v, h, None, skip_reshape=True, **kwargs)
         out = self._to_tokens(out.unflatten(-1, (h, -1)))  # (B, L_loc, H, D)
         return out.transpose(1, 2) if skip_output_reshape else out.flatten(2)
 
@@ -525,18 +525,18 @@ class Pool:
         return torch.cat(parts[:: call.size][: call.groups])
 
     def close(self, kill: bool = False) -> None:
-        """Stop the workers (politely unless `kill`) and leave the process group."""
-        if self.procs and not kill and all(p.poll() is None for p in self.procs):
+        """Stop the workers (asked to, unless `kill` or one is gone: then killed, since the
+        others may wait in a collective) and leave the process group."""
+        ask = bool(self.procs) and not kill and all(p.poll() is None for p in self.procs)
+        if ask:
             self.post({"op": "stop"})
         for p in self.procs or ():
-            try:
-                p.wait(None if kill else 10)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            if ask:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
         if dist.is_initialized():
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if kill and self.backend == "nccl" and abort is not None:

@@ -6,8 +6,11 @@ Latents of 6x10 give 15 image tokens and the prompts 7 text tokens: neither divi
 4 ranks, so the padded sequence-parallel chunks are exercised.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -22,7 +25,9 @@ from safetensors.torch import load_file
 import nodes
 from qwen_turbo.nodes.multigpu import MultiGPU
 from qwen_turbo.runtime import attention, multigpu, qwen_loader
+from tests.conftest import COMFY
 from tests.harness import models
+from tests.harness.comfyui import ROOT
 
 STEPS = 3
 TEXT = models.NARROW["joint_attention_dim"]
@@ -199,8 +204,9 @@ def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit):
 
 
 def test_a_worker_dying_mid_run_stops_the_run(dit):
-    """Killed between two model calls of a run (by a wrapper outside the driver's): the call
-    in flight fails with the worker named; the next run works."""
+    """One of 3 workers killed between two model calls of a run (by a wrapper outside the
+    driver's): the call fails with the worker named, the others (waiting in a collective) are
+    stopped too; the next run works."""
     calls = []
 
     def killer(executor, *args, **kwargs):
@@ -213,11 +219,12 @@ def test_a_worker_dying_mid_run_stops_the_run(dit):
 
     outer = dit.clone()
     outer.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "killer", killer)
-    model = multigpu.parallel(outer, _cpus(2), "sequence-parallel", backend="gloo")
+    model = multigpu.parallel(outer, _cpus(4), "both", backend="gloo")
     with pytest.raises(multigpu.MultiGPUError, match="worker on cpu failed"):
         _sample(model)
     assert len(calls) == 2 and multigpu._pool is None
     assert _rel(_sample(model), _sample(dit)) < TOL
+    assert multigpu.driver_of(model).stats.calls == {(2, 2): 2 + STEPS}
 
 
 def test_a_worker_that_cannot_start_is_named():
@@ -273,3 +280,41 @@ def test_other_models_are_refused():
     vae_like = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), "cpu", "cpu")
     with pytest.raises(ValueError, match="runs Qwen-Image DiTs"):
         multigpu.parallel(vae_like, _cpus(2))
+
+
+def _bench(*args: str) -> dict:
+    env = dict(os.environ, COMFYUI_PATH=str(COMFY))
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "multigpu.py"),
+        "--layers",
+        "2",
+        "--size",
+        "512",
+        "--guided-steps",
+        "3",
+        "--turbo-steps",
+        "2",
+        "--repeats",
+        "1",
+        *args,
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("sampler", ["ksampler", "graph"])
+def test_node_on_two_gpus_equals_one(sampler):
+    """The node on 2 GPUs (NCCL) against the same model on one, through KSampler and the CUDA
+    Graph Sampler: CFG 4 split by batch, CFG 1 by sequence. In float32, so that only rounding
+    differs (in bf16 a batch of 1 rounds differently from a batch of 2, on one GPU as well)."""
+    guided, turbo = _bench("--variant", "fp32 fused sdpa", "--sampler", sampler)["rows"]
+    for row, split in ((guided, "2x1"), (turbo, "1x2")):
+        assert row["rel_l2"] <= TOL, row
+        assert set(row["calls"]) == {split} and not row["local"], row
+    if sampler == "ksampler":  # an untimed run and a timed one
+        assert guided["calls"] == {"2x1": 2 * 3} and turbo["calls"] == {"1x2": 2 * 2}
