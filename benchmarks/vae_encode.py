@@ -2,8 +2,8 @@
 
 Random full-size weights of the Qwen-Image (Wan 2.1) VAE, or of the SD AutoencoderKL, in
 bf16 on the GPU; a smooth random picture per size. Each case is timed with CUDA events (the
-median of --repeats after a warm-up that loads the VAE); its peak is the most memory
-allocated above what was resident before the call (the VAE's weights). Errors are the
+median of --repeats after a warm-up that loads the VAE); its peak, from one more run, is the
+most memory allocated above what was resident before it (the VAE's weights). Errors are the
 relative L2 of the latent against ComfyUI's VAEEncode of the same weights in fp32 (where
 that runs out of memory, VAE Tiling Encode in fp32, which is exact; the JSON says which).
 Prints the GPU, torch version, a table, and JSON on the last line.
@@ -14,9 +14,7 @@ Prints the GPU, torch version, a table, and JSON on the last line.
 import argparse
 import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,7 +67,7 @@ def run(a):
     import nodes
     from qwen_turbo.nodes.vae_patches import FusedNormPatch
     from qwen_turbo.nodes.vae_tiling import encode
-    from qwen_turbo.runtime.bench import rel_l2
+    from qwen_turbo.runtime.bench import rel_l2, timed
     from tests.harness import models
 
     cuda = torch.cuda.is_available()
@@ -81,25 +79,17 @@ def run(a):
     logging.getLogger().addHandler(watch)
 
     def measure(fn):
-        fn()  # warm-up, loads the VAE
-        times, peak, fell_back = [], 0, watch.count
-        for _ in range(a.repeats):
+        """(output, median ms, peak GiB above what was resident, whether stock fell back)."""
+        fell_back = watch.count
+        ms, out = timed(fn, a.repeats)  # after a warm-up, which loads the VAE
+        peak = 0.0
+        if cuda:  # one more run for its peak
             mm.soft_empty_cache()
-            if not cuda:  # a CPU run only checks that the script works
-                t = time.perf_counter()
-                out = fn()
-                times.append((time.perf_counter() - t) * 1e3)
-                continue
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        return out, statistics.median(times), peak / 2**30, watch.count > fell_back
+            fn()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        return out, ms, peak, watch.count > fell_back
 
     rows = []
     for size in a.sizes:

@@ -20,7 +20,7 @@ from tests.harness import models
 badges, memory_requests, oom_once = (
     decode_tests.badges, decode_tests.memory_requests, decode_tests.oom_once
 )  # fmt: skip
-_sent = decode_tests._sent
+_sent, _Wrapped = decode_tests._sent, decode_tests._Wrapped
 
 TOL = 1e-4  # relative L2 of the latent, fp32
 FALLBACK = "using ComfyUI's VAE encode"
@@ -131,17 +131,6 @@ def test_batch_of_images_for_the_wan_vae_encodes_stock(qwen_vae, caplog):
     _tiled(qwen_vae, px, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, px), rtol=0, atol=0)
     assert len(_fallbacks(caplog)) == 1 and "T != 1" in _fallbacks(caplog)[0]  # logged once
-
-
-class _Wrapped(nn.Module):
-    """A conv behind a module VAE Tiling does not know; ComfyUI's encode just calls it."""
-
-    def __init__(self, conv):
-        super().__init__()
-        self.inner = conv
-
-    def forward(self, x):
-        return self.inner(x)
 
 
 def test_unrecognised_encoder_layer_encodes_stock(sd_vae, monkeypatch, caplog):
