@@ -15,8 +15,9 @@ class Loader(io.ComfyNode):
             display_name="Optimized Loader",
             category="QwenTurbo",
             description=(
-                "Loads a Qwen-Image DiT (a single file, or a diffusers folder) with width, "
-                "heads, layers and text width read from the weights, and makes its forward "
+                "Loads a Qwen-Image DiT (Qwen-Image, Qwen-Image-Edit 2509 and 2511; a single "
+                "file, or a diffusers folder) with width, heads, layers, text width and the "
+                "Edit variant read from the weights, and makes its forward "
                 "faster: fused block kernels, fp8 weights or fp8 GEMMs, the attention backend "
                 "of your choice. The output is a plain MODEL: LoRAs, ModelSamplingAuraFlow, "
                 "KSampler and offloading work as with UNETLoader."
@@ -66,6 +67,6 @@ class Loader(io.ComfyNode):
                 extra["weights"] = model.qwen_turbo_weights
                 if model.qwen_turbo_notes:
                     extra["note"] = "; ".join(model.qwen_turbo_notes)
-        except qwen_dit.NotQwenImageDiT as e:
+        except (qwen_dit.NotQwenImageDiT, qwen_loader.HostLacks) as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

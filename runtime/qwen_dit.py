@@ -24,6 +24,12 @@ from ..kernels.qk_norm_rope import qk_norm_rope_into
 # Prefixes a DiT may carry inside a whole checkpoint; stripped before reading the config.
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 REQUIRED = ("img_in.weight", "txt_in.weight", "txt_norm.weight", "proj_out.weight")
+# Keys by which ComfyUI's model detection (v0.33) tells the variants apart. Edit-2511: its
+# reference images' tokens get the modulation of timestep 0. Layered: a second timestep
+# embedding, and references numbered downwards.
+TIMESTEP_ZERO = "__index_timestep_zero__"
+LAYERED = "time_text_embed.addition_t_embedding.weight"
+VARIANT_DEFAULTS = {"default_ref_method": "index", "use_additional_t_cond": False}
 # fp8 weights keep their largest value this factor below 448 (room for LoRA deltas).
 HEADROOM = 4
 PATCH = 2  # the model's process_img hard-codes 2x2 patches
@@ -59,13 +65,22 @@ class DiTConfig:
     joint_attention_dim: int
     axes_dims_rope: tuple[int, int, int]
     patch_size: int = PATCH
+    # How the model places reference latents (Qwen-Image-Edit) when the conds do not say.
+    default_ref_method: str = "index"
+    use_additional_t_cond: bool = False
 
     @property
     def width(self) -> int:
         return self.attention_head_dim * self.num_attention_heads
 
+    def variant(self) -> dict:
+        """The settings that differ from Qwen-Image's (and Edit-2509's): arguments of newer
+        hosts' model that older hosts' model does not take."""
+        return {k: getattr(self, k) for k, d in VARIANT_DEFAULTS.items() if getattr(self, k) != d}
+
     def unet_config(self) -> dict:
-        return {"image_model": "qwen_image", **asdict(self)}
+        plain = {k: v for k, v in asdict(self).items() if k not in VARIANT_DEFAULTS}
+        return {"image_model": "qwen_image", **plain, **self.variant()}
 
 
 def describe(keys) -> str:
@@ -94,7 +109,8 @@ def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 
 def read_config(sd: dict[str, torch.Tensor], rope_axes=None) -> DiTConfig:
-    """Width, heads, layers, text width and channels from the tensors' shapes.
+    """Width, heads, layers, text width and channels from the tensors' shapes; the Edit-2511
+    and Layered variants by their marker keys, as ComfyUI's model detection reads them.
 
     `rope_axes` (from a diffusers config.json) must sum to the head size; without it the
     stock split is scaled to the head size. Raises NotQwenImageDiT naming what was found.
@@ -123,7 +139,10 @@ def read_config(sd: dict[str, torch.Tensor], rope_axes=None) -> DiTConfig:
         num_attention_heads=width // head_dim,
         joint_attention_dim=sd["txt_in.weight"].shape[1],
         axes_dims_rope=axes,
-    )
+        default_ref_method="negative_index" if LAYERED in sd
+        else "index_timestep_zero" if TIMESTEP_ZERO in sd else "index",
+        use_additional_t_cond=LAYERED in sd,
+    )  # fmt: skip
 
 
 def diffusers_folder(path: Path) -> Path | None:
@@ -136,7 +155,8 @@ def diffusers_folder(path: Path) -> Path | None:
 
 def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, config.json) of a diffusers transformer folder: sharded safetensors with an
-    index (`*.safetensors.index.json`), or one safetensors file."""
+    index (`*.safetensors.index.json`), or one safetensors file. Edit-2511's `zero_cond_t`
+    becomes the marker key ComfyUI's files carry (TIMESTEP_ZERO)."""
     from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
@@ -153,6 +173,8 @@ def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
         if not (folder / shard).is_file():
             raise FileNotFoundError(f"{folder / shard} is listed in the index but missing")
         sd.update(load_file(str(folder / shard)))
+    if config.get("zero_cond_t"):
+        sd[TIMESTEP_ZERO] = torch.tensor([])
     return sd, config
 
 
@@ -322,9 +344,9 @@ def rope_table(freqs: torch.Tensor, n: int) -> torch.Tensor:
 def why_host_block(mask, kwargs: dict, transformer_options: dict) -> str | None:
     """Why a block call needs the host's own forward, or None when the fused one computes it.
 
-    The fused block handles text-to-image calls and reference latents with the "index"
-    method; a text mask, per-token timestep modulation (`timestep_zero_index`, Edit-2511's
-    reference method), attention patches and any argument a newer host adds go to the host."""
+    The fused block handles text-to-image calls and reference latents (Qwen-Image-Edit),
+    with the per-token modulation of Edit-2511's `timestep_zero_index`; a text mask,
+    attention patches and any argument a newer host adds go to the host."""
     if mask is not None:
         return "a text attention mask"
     extra = sorted(k for k, v in kwargs.items() if v is not None)
@@ -335,6 +357,21 @@ def why_host_block(mask, kwargs: dict, transformer_options: dict) -> str | None:
     return None
 
 
+def by_segment(fn: Callable, split: int | None, tokens, mods):
+    """fn(*tokens, *mods), with tokens (B, L, D) and mods (B, D); with `split` (Edit-2511's
+    `timestep_zero_index`) the mods are (2B, D) and tokens from `split` on take their last B
+    rows (the modulation of timestep 0), the others their first B: fn runs on each part and
+    the parts are joined along L."""
+    if split is None:
+        return fn(*tokens, *mods)
+    halves = [m.chunk(2) for m in mods]
+    first = fn(*(t[:, :split] for t in tokens), *(h[0] for h in halves))
+    rest = fn(*(t[:, split:] for t in tokens), *(h[1] for h in halves))
+    if isinstance(first, tuple):
+        return tuple(torch.cat(pair, dim=1) for pair in zip(first, rest, strict=True))
+    return torch.cat((first, rest), dim=1)
+
+
 def fused_block_forward(block, attention: Attention, on_host: Callable | None = None) -> Callable:
     """A `forward` for ComfyUI's QwenImageTransformerBlock with the fused kernels.
 
@@ -343,41 +380,55 @@ def fused_block_forward(block, attention: Attention, on_host: Callable | None = 
     True, transformer_options=...)` takes (B, H, L, Dh) views and returns (B, L, H * Dh):
     ComfyUI's `optimized_attention_masked`, so attention overrides still apply. Calls it
     cannot compute (`why_host_block`) run the block's own forward; `on_host(reason)` is told.
+
+    Reference latents (Qwen-Image-Edit) are image tokens after the generated ones. With
+    `timestep_zero_index` (newer hosts, Edit-2511) temb holds 2B rows, the timestep's then
+    timestep 0's: image tokens from that index on are modulated and gated by the latter, the
+    text stream by the former, as the host's block does.
     """
     eps = block.img_norm1.eps
 
     def forward(
         hidden_states, encoder_hidden_states, encoder_hidden_states_mask=None, temb=None,
-        image_rotary_emb=None, transformer_options=None, **kwargs,
+        image_rotary_emb=None, timestep_zero_index=None, transformer_options=None, **kwargs,
     ):  # fmt: skip
         transformer_options = {} if transformer_options is None else transformer_options
         why = why_host_block(encoder_hidden_states_mask, kwargs, transformer_options)
         if why is not None:
             if on_host is not None:
                 on_host(why)
+            if timestep_zero_index is not None:
+                kwargs["timestep_zero_index"] = timestep_zero_index
             return type(block).forward(
                 block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                 temb=temb, image_rotary_emb=image_rotary_emb,
                 transformer_options=transformer_options, **kwargs,
             )  # fmt: skip
-        img, txt = hidden_states, encoder_hidden_states
+        img, txt, split = hidden_states, encoder_hidden_states, timestep_zero_index
         freqs = rope_table(image_rotary_emb, img.shape[1] + txt.shape[1])
-        # (B, 6D) each: shift, scale, gate of the attention half, then of the MLP half.
+        # (B, 6D) each (2B with `split`): shift, scale, gate of the attention half, then of
+        # the MLP half.
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = block.img_mod(temb).chunk(6, -1)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = block.txt_mod(temb).chunk(6, -1)
+        txt_mod = block.txt_mod(temb if split is None else temb.chunk(2)[0])
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, -1)
+        img_x = by_segment(
+            lambda x, shift, scale: layernorm_modulate(x, shift, scale, eps),
+            split, (img,), (i_shift1, i_scale1),
+        )  # fmt: skip
         img_attn, txt_attn = joint_attention(
-            block.attn,
-            layernorm_modulate(img, i_shift1, i_scale1, eps),
-            layernorm_modulate(txt, t_shift1, t_scale1, eps),
+            block.attn, img_x, layernorm_modulate(txt, t_shift1, t_scale1, eps),
             freqs, attention, transformer_options,
         )  # fmt: skip
-        img, img_x = gated_residual_layernorm_modulate(
-            img, img_attn, i_gate1, i_shift2, i_scale2, eps
-        )
+        img, img_x = by_segment(
+            lambda x, y, gate, shift, scale: gated_residual_layernorm_modulate(
+                x, y, gate, shift, scale, eps
+            ),
+            split, (img, img_attn), (i_gate1, i_shift2, i_scale2),
+        )  # fmt: skip
         txt, txt_x = gated_residual_layernorm_modulate(
             txt, txt_attn, t_gate1, t_shift2, t_scale2, eps
         )
-        img = gated_residual(img, mlp(block.img_mlp, img_x), i_gate2)
+        img = by_segment(gated_residual, split, (img, mlp(block.img_mlp, img_x)), (i_gate2,))
         txt = gated_residual(txt, mlp(block.txt_mlp, txt_x), t_gate2)
         return txt, img
 

@@ -4,6 +4,7 @@ read off the weights, with fp8 ops, attention and fused blocks attached through 
 This module imports ComfyUI; the math it uses is in `qwen_dit`, `attention` and `kernels/`.
 """
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -42,6 +43,12 @@ FUSED_KEY = "forward"  # object patch on each block's `forward`
 # quantization: `fp8_gemv`, bf16 activations on the fp8 weight. Activation quantization there
 # cost accuracy (H200, 60 layers: rel. error 6.5e-2 against 5.2e-2 with bf16 compute).
 GEMV_ROWS = 16
+# The variants by their reference method (qwen_dit.read_config), for messages.
+VARIANTS = {"index_timestep_zero": "Qwen-Image-Edit-2511", "negative_index": "Qwen-Image-Layered"}
+
+
+class HostLacks(ValueError):
+    """The weights need a model setting this ComfyUI's Qwen-Image model does not take."""
 
 
 def model_names() -> list[str]:
@@ -239,8 +246,24 @@ def _storage(weight_dtype: str, sd, load_device) -> str:
     return weight_dtype
 
 
+def check_host(config: qwen_dit.DiTConfig) -> None:
+    """Raise HostLacks where this host's model cannot take the variant's settings: an older
+    ComfyUI runs Edit-2511's weights with Edit-2509's reference method, silently wrong."""
+    takes = inspect.signature(qwen_model.QwenImageTransformer2DModel.__init__).parameters
+    for key, value in config.variant().items():
+        if key not in takes:
+            what = VARIANTS.get(config.default_ref_method, "this checkpoint")
+            raise HostLacks(
+                f"{what} needs {key}={value!r}, which this ComfyUI's Qwen-Image model does not "
+                "take (its reference images would get the wrong positions or modulation); "
+                "update ComfyUI"
+            )
+
+
 def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
-    """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`."""
+    """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`.
+    Raises HostLacks where this host cannot run the variant."""
+    check_host(config)
     load_device = mm.get_torch_device()
     offload_device = mm.unet_offload_device()
     model_config = comfy.supported_models.QwenImage(config.unet_config())
@@ -313,9 +336,10 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
         weight_dtype = "bf16"
     patcher = build(sd, config, weight_dtype)
     log.info(
-        "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s",
+        "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s%s",
         name, config.num_layers, config.width, config.num_attention_heads,
         config.attention_head_dim, config.joint_attention_dim, patcher.qwen_turbo_weights,
+        f", {VARIANTS[config.default_ref_method]}" if config.variant() else "",
     )  # fmt: skip
     if fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes):
         add_fused_blocks(patcher)

@@ -151,9 +151,19 @@ def test_fused_block_equals_comfy_block(dtype):
             assert_error_rule(o, x, e, atol=2 * torch.finfo(dtype).eps * x.abs().max().item())
 
 
+def _takes_timestep_zero_index() -> bool:
+    import inspect
+
+    import comfy.ldm.qwen_image.model as qm
+
+    return (
+        "timestep_zero_index" in inspect.signature(qm.QwenImageTransformerBlock.forward).parameters
+    )
+
+
 def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
-    """A text mask, attention patches and any argument the host adds (newer hosts pass
-    `timestep_zero_index`) run the block's own forward: its exact result, and a reason."""
+    """A text mask, attention patches and any argument the host adds run the block's own
+    forward: its exact result, and a reason. Edit-2511's `timestep_zero_index` goes along."""
     import inspect
 
     import comfy.ldm.qwen_image.model as qm
@@ -168,10 +178,10 @@ def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
     calls = [((None,), {"transformer_options": patch}, "attn1_patch")]
     if "encoder_hidden_states_mask" in inspect.signature(qm.Attention.forward).parameters:
         calls.append(((mask,), {}, "text attention mask"))
-    if "timestep_zero_index" in inspect.signature(type(block).forward).parameters:
-        # Edit-2511's reference latents: the last 13 image tokens get the timestep-0 modulation
+    if _takes_timestep_zero_index():
         two = torch.cat([temb, torch.randn_like(temb)])
-        calls.append(((None,), {"temb": two, "timestep_zero_index": 24}, "timestep_zero_index"))
+        zero = {"temb": two, "timestep_zero_index": 24, "transformer_options": patch}
+        calls.append(((None,), zero, "attn1_patch"))
     with torch.inference_mode():
         for extra, kwargs, why in calls:
             kwargs = {"temb": temb, "image_rotary_emb": freqs, **kwargs}
@@ -181,6 +191,43 @@ def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
                 torch.testing.assert_close(o, w, rtol=0, atol=0)
             assert why in reasons[-1]
     assert len(reasons) == len(calls)
+
+
+@pytest.mark.skipif(
+    not _takes_timestep_zero_index(), reason="this host's block has no timestep_zero_index"
+)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_modulates_reference_tokens_at_timestep_zero(dtype, batch):
+    """Edit-2511 (newer hosts): with `timestep_zero_index` temb holds the timestep's rows then
+    timestep 0's, and the image tokens from that index on (the reference images') take the
+    latter. The fused block computes it, no host fallback, equal to the host's block."""
+    import comfy.ldm.qwen_image.model as qm
+
+    block = _comfy_block(dtype)
+    img, txt, temb, freqs = _block_inputs(128, dtype)
+    g = torch.Generator().manual_seed(9)
+    img, txt = img.expand(batch, -1, -1).clone(), txt.expand(batch, -1, -1).clone()
+    temb = torch.cat([temb.expand(batch, -1), torch.randn(batch, 128, generator=g).to(dtype)])
+    freqs = models.host_rope(freqs)
+    split = 24  # of 37 image tokens: 13 reference tokens
+    reasons = []
+    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
+    wide = torch.float32
+    with torch.inference_mode():
+        out = fused(img, txt, None, temb, freqs, timestep_zero_index=split)
+        eager = block(img, txt, None, temb, freqs, timestep_zero_index=split)
+        exact = _comfy_block(wide)(*(t.to(wide) for t in (img, txt)), None, temb.to(wide),
+                                   freqs.to(wide), timestep_zero_index=split)  # fmt: skip
+        plain = block(img, txt, None, temb[:batch], freqs)  # every token at the timestep
+    assert reasons == []
+    for o, e, x, p in zip(out, eager, exact, plain, strict=True):
+        assert o.dtype == dtype and o.shape == e.shape and o.isfinite().all()
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+        else:
+            assert_error_rule(o, x, e, atol=2 * torch.finfo(dtype).eps * x.abs().max().item())
+        assert not torch.allclose(o.float(), p.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_fused_block_equals_diffusers_block():
@@ -383,8 +430,8 @@ def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     mm.unload_all_models()
 
 
-# 8bit, fp8_cudnn: SDPA on CPU float32
-@pytest.mark.parametrize("attention", ["sdpa", "flash", "8bit", "fp8_cudnn"])
+# fp8_cudnn: SDPA on CPU float32
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "fp8_cudnn"])
 def test_attention_choice_keeps_the_result(narrow_sd, attention):
     cfg = qwen_dit.read_config(narrow_sd)
     x, ctx = _inputs(cfg)
@@ -409,10 +456,10 @@ def test_regional_compile_wraps_each_block(narrow_sd):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("attention", ["auto", "8bit", "fp8_cudnn"])
+@pytest.mark.parametrize("attention", ["auto", "fp8_cudnn"])
 def test_fused_block_full_width_on_gpu(attention):
     """Qwen-Image's real block (3072 wide, 24 heads) in bf16 at 1328^2 image tokens + 256 text
-    tokens: fused against ComfyUI's, both against the float32 block. With an 8-bit
+    tokens: fused against ComfyUI's, both against the float32 block. With fp8_cudnn
     attention the block's outputs stay within 2% of the float32 block's."""
     import comfy.ldm.qwen_image.model as qm
     import comfy.ops

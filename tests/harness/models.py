@@ -182,6 +182,39 @@ def qwen_dit_fp8mixed_file(seed: int = 0) -> Path:
     return path
 
 
+def qwen_dit_variant_file(variant: str, seed: int = 0, fp8mixed: bool = False) -> Path:
+    """The full-width one-layer DiT with a variant's marker keys, as ComfyUI's model detection
+    reads them: "edit_2511" (`__index_timestep_zero__`: reference tokens modulated at
+    timestep 0) or "layered" (a random second timestep embedding). `fp8mixed`: stored as
+    Comfy-Org ships Edit-2511 (`qwen_image_edit_2511_fp8mixed.safetensors`)."""
+    from qwen_turbo.runtime import qwen_dit
+
+    kind = "_fp8mixed" if fp8mixed else ""
+    path = cache_dir() / f"qwen_image_dit_1layer_{variant}{kind}-v{VERSION}-s{seed}.safetensors"
+    if not path.exists():
+        sd = load_file(str(qwen_dit_file(seed)))
+        if variant == "edit_2511":
+            sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
+        elif variant == "layered":
+            width = sd["img_in.weight"].shape[0]
+            g = torch.Generator().manual_seed(seed + 1)
+            sd[qwen_dit.LAYERED] = (torch.randn(2, width, generator=g) * 0.5).to(torch.bfloat16)
+        else:
+            raise ValueError(f"unknown variant {variant!r}")
+        if fp8mixed:
+            sd = to_fp8mixed(qwen_dit.to_scaled_fp8(sd))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(sd, str(tmp))
+        tmp.replace(path)
+    return path
+
+
+def reference_latents(sizes, seed: int = 0, channels: int = 16) -> list[torch.Tensor]:
+    """Random Qwen-Image latents (1, C, 1, H, W), one per (H, W): Edit's reference images."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, channels, 1, h, w, generator=g) for h, w in sizes]
+
+
 def host_rope(freqs: torch.Tensor) -> torch.Tensor:
     """A (B, L, 1, Dh/2, 2, 2) RoPE table (ComfyUI v0.3's layout) in the layout the host's Qwen
     block takes: newer hosts apply it to (B, H, L, Dh) and take (B, 1, L, Dh/2, 2, 2)."""
