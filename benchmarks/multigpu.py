@@ -128,9 +128,7 @@ def main():
         multi = MultiGPU.execute(model=model, gpus=a.gpus, mode=mode).result[0]
         graph = a.sampler == "graph"
         one_first, one_s, ref = timed(sampler(model, steps, cfg, a.size, graph), a.repeats)
-        # graphs are cached per model object and weights, not per wrapper set: the
-        # single-GPU side's would replay for the node's clone
-        cuda_graphs.free_graphs(model.model)
+        cuda_graphs.free_graphs(model.model)  # the graph memory of the single-GPU runs
         torch.cuda.reset_peak_memory_stats()
         multi_first, multi_s, out = timed(sampler(multi, steps, cfg, a.size, graph), a.repeats)
         stats = multigpu.driver_of(multi).stats

@@ -151,6 +151,8 @@ def main():
     p.add_argument("--soak-lora", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cache", choices=["none", "easycache", "lazycache"], default="none",
                    help="ComfyUI's caching node, at its defaults, in front of both")  # fmt: skip
+    p.add_argument("--reuse-threshold", type=float, default=None,
+                   help="the caching node's reuse_threshold instead of its default")  # fmt: skip
     a = p.parse_args()
     setup_comfy()
     import torch
@@ -277,14 +279,17 @@ def run(a):
     print(json.dumps({**meta, "rows": rows}))
 
 
-def with_caching_node(model, name: str):
-    """`model` through ComfyUI's EasyCache or LazyCache node, at the node's defaults."""
+def with_caching_node(model, name: str, reuse_threshold: float | None = None):
+    """`model` through ComfyUI's EasyCache or LazyCache node, at the node's defaults but for
+    `reuse_threshold` where given."""
     from comfy_extras import nodes_easycache
 
     node = {"easycache": nodes_easycache.EasyCacheNode, "lazycache": nodes_easycache.LazyCacheNode}
     node = node[name]
-    defaults = {i.id: i.default for i in node.define_schema().inputs if i.id != "model"}
-    return node.execute(model, **defaults).result[0]
+    inputs = {i.id: i.default for i in node.define_schema().inputs if i.id != "model"}
+    if reuse_threshold is not None:
+        inputs["reuse_threshold"] = reuse_threshold
+    return node.execute(model, **inputs).result[0]
 
 
 def caching(a, model, cond, timed, rel_l2):
@@ -300,7 +305,7 @@ def caching(a, model, cond, timed, rel_l2):
     from qwen_turbo.runtime import cuda_graphs
     from tests.harness import models
 
-    cached = with_caching_node(model, a.cache)
+    cached = with_caching_node(model, a.cache, a.reuse_threshold)
     vae = comfy.sd.VAE(sd=models.random_state_dict(models.qwen_vae_module(), 0),
                        dtype=torch.bfloat16)  # fmt: skip
     whole_step = a.modes[0] == "whole CFG step"
@@ -334,7 +339,8 @@ def caching(a, model, cond, timed, rel_l2):
         cuda_graphs.free_graphs(model.model)
         mm.soft_empty_cache()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  {a.layers} layers, "
-          f"{a.steps} steps, cfg {a.cfg}, {a.cache}, graphs: {a.modes[0]}")  # fmt: skip
+          f"{a.steps} steps, cfg {a.cfg}, {a.cache} (reuse_threshold "
+          f"{a.reuse_threshold or 'default'}), graphs: {a.modes[0]}")  # fmt: skip
     print(f"{'size':>6} {'KSampler':>10} {'graphs':>8} {'gain':>6} {'KS+cache':>10} "
           f"{'graphs+cache':>13} {'gain':>6}  status")  # fmt: skip
     for r in rows:
@@ -343,7 +349,8 @@ def caching(a, model, cond, timed, rel_l2):
               f"{r['plain_graph_gain']:>6} {r[f'{c}_ksampler_ms']:>10} "
               f"{r[f'{c}_graph_ms']:>13} {r[f'{c}_graph_gain']:>6}  {r['status']}")  # fmt: skip
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cache": a.cache,
-            "mode": a.modes[0], "layers": a.layers, "steps": a.steps, "cfg": a.cfg}  # fmt: skip
+            "reuse_threshold": a.reuse_threshold, "mode": a.modes[0], "layers": a.layers,
+            "steps": a.steps, "cfg": a.cfg}  # fmt: skip
     print(json.dumps({**meta, "rows": rows}))
 
 

@@ -5,6 +5,7 @@ from typing_extensions import override
 
 from .graph_sampler import CUDAGraphSampler
 from .loader import Loader
+from .multigpu import MultiGPU
 from .vae_patches import FusedNormPatch, TextureUpsample
 from .vae_tiling import VAEDecodeTiled, VAEEncodeTiled
 
@@ -15,6 +16,7 @@ NODES: list[type[io.ComfyNode]] = [
     TextureUpsample,
     VAEDecodeTiled,
     VAEEncodeTiled,
+    MultiGPU,
 ]
 
 

@@ -245,6 +245,16 @@ def _with_buffers(args, kwargs, tensors, buffers):
     return args, kwargs
 
 
+def region(options: dict, level: str) -> tuple:
+    """The wrappers at `level` and the levels inside it, by key and name: part of a graph's
+    key, so that a graph captured without a wrapper (or with another) is never replayed for a
+    model clone that has it."""
+    wrappers = options.get("wrappers", {})
+    return tuple((lvl, key, getattr(fn, "__qualname__", type(fn).__qualname__))
+                 for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]
+                 for key, fns in wrappers.get(lvl, {}).items() for fn in fns)  # fmt: skip
+
+
 def own(obj) -> bool:
     """Whether `obj` (a function, a method or a callable object) is this pack's code."""
     module = getattr(obj, "__module__", None) or type(obj).__module__
@@ -261,7 +271,8 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
         for key, fns in wrappers.get(lvl, {}).items():
             for fn in fns:
                 inside = lvl != level or any(fn is f for f in inner)
-                if inside and key not in SAFE_WRAPPERS and not own(fn):
+                foreign = not own(fn) or getattr(fn, "runs_python_per_call", False)
+                if inside and key not in SAFE_WRAPPERS and foreign:
                     return f"{key!r} {lvl} wrapper runs Python per step"
     patches = [*options.get("patches", {}), *options.get("patches_replace", {})]
     if patches:
@@ -372,7 +383,8 @@ class GraphRunner:
             args_, kwargs_ = _with_buffers(args, kwargs, tensors, buffers)
             return _taking(executor, *args_, **kwargs_)
 
-        out = self._replay(cache, model, desc, [t for _, t in tensors], run)
+        key = (desc, region(options, self.level))
+        out = self._replay(cache, model, key, [t for _, t in tensors], run)
         if out is None:
             return self._eager(cache, executor, "capture failed for this shape", args, kwargs)
         return out
@@ -512,7 +524,8 @@ class StepRunner(GraphRunner):
         paths = [p for p, _ in conds]
         tensors = [x, timestep] + [t for _, t in conds]
         shapes = [(tuple(t.shape), t.dtype, t.device) for t in tensors[:2]]
-        key = ("step", guider.cfg, *shapes, desc)
+        options = model_options.get("transformer_options", {})
+        key = ("step", guider.cfg, *shapes, desc, region(options, self.level))
         out = self._replay(cache, model, key, tensors, run)
         if out is None:
             self._note(cache, "whole step not captured: capture failed for this shape")

@@ -598,6 +598,10 @@ class Driver:
     """The DIFFUSION_MODEL wrapper of a Multi-GPU model. ModelPatcher deep-copies wrappers
     with its options on every clone; this one stays one object, so its clones share `stats`."""
 
+    # its Python talks to the workers on every call: the CUDA Graph Sampler captures only
+    # inside it (rank 0's share), never around it
+    runs_python_per_call = True
+
     def __init__(self, base, devices, mode: str, backend: str):
         self.base = weakref.ref(base)
         self.devices, self.mode, self.backend = tuple(devices), mode, backend

@@ -294,6 +294,51 @@ def test_out_of_memory_names_the_size_and_what_to_change(dit, monkeypatch):
     assert "--lowvram" in msg and "Tried to allocate 9 GiB" in msg
 
 
+def test_a_graph_is_never_replayed_for_a_clone_with_other_wrappers(dit):
+    """Graphs are kept per model object and weights, which clones share: a clone with another
+    wrapper inside the captured region (even the pack's own) captures its own graph rather
+    than replaying one that skips that wrapper."""
+    calls = []
+
+    def counting(executor, *args, **kwargs):  # the pack's: trusted inside a graph
+        calls.append(1)
+        return executor(*args, **kwargs)
+
+    counting.__module__ = cuda_graphs.PACK
+    other = dit.clone()
+    other.add_wrapper_with_key("diffusion_model", "counting", counting)
+    cache = cuda_graphs.cache_for(dit.model)
+    cache.clear()
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    for model in (dit, other):
+        before = cache.stats.captured
+        graph_sampler.sample_with_graphs(model, False, FakeGraphs, 42, 2, 2.5, "euler", "simple",
+                                         _cond(8, 1), _cond(8, 2), latent)  # fmt: skip
+        assert cache.stats.captured == before + 1
+    assert calls  # the wrapper ran: captured with it, not replayed without it
+
+
+def test_a_wrapper_that_talks_per_call_keeps_graphs_inside_it():
+    """A pack wrapper flagged `runs_python_per_call` (the Multi-GPU driver) is foreign to a
+    graph around it; a ModelRunner inside it may still capture."""
+
+    class Driver:
+        runs_python_per_call = True
+
+        def __call__(self, executor, *args, **kwargs):
+            return executor(*args, **kwargs)
+
+    Driver.__module__ = cuda_graphs.PACK
+    inner = cuda_graphs.ModelRunner(lambda: True, FakeGraphs)
+    driver = Driver()
+    options = {"wrappers": {"diffusion_model": {"multigpu": [driver], "graphs": [inner]}}}
+    reason = "'multigpu' diffusion_model wrapper runs Python per step"
+    assert cuda_graphs.foreign_code(options, "apply_model", []) == reason
+    assert cuda_graphs.innermost_free(options)
+    options["wrappers"]["diffusion_model"] = {"graphs": [inner], "multigpu": [driver]}
+    assert not cuda_graphs.innermost_free(options)
+
+
 def test_new_weights_recapture_and_drop_stale_graphs(dit):
     cache = cuda_graphs.cache_for(dit.model)
     cache.clear()

@@ -72,11 +72,12 @@ def test_back_to_back_runs_keep_memory_flat():
 @pytest.mark.parametrize("cache", ["easycache", "lazycache"])
 @pytest.mark.parametrize("mode", MODES)
 def test_caching_nodes_and_graphs_add_up(cache, mode):
-    """ComfyUI's caching node at its defaults in front of both samplers, full width: the
-    graph sampler's latent equals KSampler's with the same node, graphs replay, and the
-    caching node still skips steps."""
-    out = _bench("--cache", cache, "--sizes", "512", "--steps", "12", "--cfg", "4",
-                 "--modes", mode)  # fmt: skip
+    """ComfyUI's caching node in front of both samplers, full width: the graph sampler's
+    latent equals KSampler's with the same node, graphs replay, and the caching node still
+    skips steps (random weights change their output too much for the default threshold to
+    skip any, so a higher one)."""
+    out = _bench("--cache", cache, "--reuse-threshold", "3", "--sizes", "512", "--steps", "12",
+                 "--cfg", "4", "--modes", mode)  # fmt: skip
     (row,) = out["rows"]
     assert row[f"{cache}_graph_rel_l2"] == 0 and row["plain_graph_rel_l2"] == 0, row
     assert "replayed" in row["status"] and "eager" not in row["status"].split(";")[0], row

@@ -116,7 +116,8 @@ class _Wrapped(nn.Module):
 
 def test_unrecognised_autoencoder_kl_layer_decodes_stock(sd_vae, monkeypatch, caplog):
     dec = sd_vae.first_stage_model.decoder
-    monkeypatch.setattr(dec, "conv_in", _Wrapped(dec.conv_in))
+    # nn.Module keeps children in _modules: setattr's undo would delete conv_in for good
+    monkeypatch.setitem(dec._modules, "conv_in", _Wrapped(dec.conv_in))
     z = _latent((1, 4, 5, 6), 7)
     with pytest.raises(NotImplementedError, match="conv_in is a _Wrapped"):
         vae_tiling.decoder_ops(sd_vae.first_stage_model, z)
