@@ -4,9 +4,6 @@ tokens modulated at timestep 0) and Layered as ComfyUI's UNETLoader does, and it
 UNETLoader's outputs with one and two reference images of different sizes; hosts without a
 variant's setting refuse it by name. The CUDA Graph Sampler equals KSampler on Edit conds."""
 
-import inspect
-
-import comfy.ldm.qwen_image.model as qwen_model
 import comfy.model_detection
 import comfy.model_management as mm
 import comfy.sd
@@ -24,11 +21,7 @@ from qwen_turbo.runtime import cuda_graphs, qwen_dit, qwen_loader
 from tests.harness import models
 from tests.test_cuda_graph_sampler import FakeGraphs, TracedGraphs
 
-# the host's model takes Edit-2511's and Layered's settings (ComfyUI v0.33, not v0.3.64)
-VARIANTS_ON_HOST = (
-    "default_ref_method"
-    in inspect.signature(qwen_model.QwenImageTransformer2DModel.__init__).parameters
-)
+VARIANTS_ON_HOST = models.host_runs_edit_2511()
 needs_variants = pytest.mark.skipif(
     not VARIANTS_ON_HOST, reason="this ComfyUI's Qwen-Image model has no default_ref_method"
 )

@@ -209,6 +209,16 @@ def qwen_dit_variant_file(variant: str, seed: int = 0, fp8mixed: bool = False) -
     return path
 
 
+def host_runs_edit_2511() -> bool:
+    """Whether this ComfyUI's Qwen-Image model takes Edit-2511's and Layered's settings
+    (`default_ref_method`: v0.33, not v0.3.64)."""
+    import inspect
+
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    return "default_ref_method" in inspect.signature(QwenImageTransformer2DModel).parameters
+
+
 def reference_latents(sizes, seed: int = 0, channels: int = 16) -> list[torch.Tensor]:
     """Random Qwen-Image latents (1, C, 1, H, W), one per (H, W): Edit's reference images."""
     g = torch.Generator().manual_seed(seed)
