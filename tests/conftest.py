@@ -66,6 +66,19 @@ def models_dir(tmp_path_factory):
     return models_tree(tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture
+def diffusion_models(models_dir, monkeypatch):
+    """folder_paths' diffusion_models pointed at the test models tree (this test only)."""
+    import folder_paths
+
+    root = models_dir / "diffusion_models"
+    monkeypatch.setitem(
+        folder_paths.folder_names_and_paths, "diffusion_models", ([str(root)], {".safetensors"})
+    )
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    return root
+
+
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory, models_dir):
     server = ComfyServer(COMFY, tmp_path_factory.mktemp("comfy_base"), models_dir)

@@ -7,7 +7,6 @@ variant's setting refuse it by name. The CUDA Graph Sampler equals KSampler on E
 import comfy.model_detection
 import comfy.model_management as mm
 import comfy.sd
-import folder_paths
 import node_helpers
 import pytest
 import torch
@@ -60,16 +59,6 @@ def _forward(patcher, x, ctx, refs, **kwargs):
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def diffusion_models(models_dir, monkeypatch):
-    root = models_dir / "diffusion_models"
-    monkeypatch.setitem(
-        folder_paths.folder_names_and_paths, "diffusion_models", ([str(root)], {".safetensors"})
-    )
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    return root
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import logging
 import comfy.model_management as mm
 import comfy.sd
 import comfy.utils
-import folder_paths
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,17 +20,6 @@ from tests.kernels.common import assert_error_rule
 @pytest.fixture(scope="module")
 def narrow_sd():
     return load_file(str(models.qwen_dit_narrow_file()))
-
-
-@pytest.fixture
-def diffusion_models(models_dir, monkeypatch):
-    """folder_paths' diffusion_models pointed at the test models tree (this test only)."""
-    root = models_dir / "diffusion_models"
-    monkeypatch.setitem(
-        folder_paths.folder_names_and_paths, "diffusion_models", ([str(root)], {".safetensors"})
-    )
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    return root
 
 
 def _inputs(cfg: qwen_dit.DiTConfig, seed=1, h=12, w=10, tokens=7):

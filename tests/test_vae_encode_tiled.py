@@ -178,14 +178,7 @@ def test_encoder_failing_mid_run_falls_back_to_stock(qwen_vae, monkeypatch, capl
 def test_latent_batch_norm_vae_matches_stock():
     """Flux 2's VAE: the AutoencoderKL encoder, then 2x2 pixels to channels and a batch norm,
     on hosts that have it."""
-    import comfy.sd
-
-    sd = models.random_state_dict(models.sd_vae_module(4), seed=3)
-    g = torch.Generator().manual_seed(4)
-    sd["bn.running_mean"] = torch.randn(16, generator=g)
-    sd["bn.running_var"] = torch.rand(16, generator=g) + 0.5
-    sd["bn.num_batches_tracked"] = torch.tensor(10)
-    vae = comfy.sd.VAE(sd=sd)
+    vae = models.sd_vae_with_latent_batch_norm()
     if getattr(vae.first_stage_model, "bn", None) is None:
         pytest.skip("this ComfyUI has no latent batch norm")
     px = _pixels((1, 80, 112, 3), 8)

@@ -164,14 +164,7 @@ def test_decoder_failing_mid_decode_falls_back_to_stock(qwen_vae, monkeypatch, c
 def test_latent_batch_norm_vae_matches_untiled():
     """Flux 2's VAE: a latent batch norm and 2x2 unpatchify before the AutoencoderKL decoder,
     on hosts that have it (its state dict loads without it elsewhere)."""
-    import comfy.sd
-
-    sd = models.random_state_dict(models.sd_vae_module(4), seed=3)
-    g = torch.Generator().manual_seed(4)
-    sd["bn.running_mean"] = torch.randn(16, generator=g)
-    sd["bn.running_var"] = torch.rand(16, generator=g) + 0.5
-    sd["bn.num_batches_tracked"] = torch.tensor(10)
-    vae = comfy.sd.VAE(sd=sd)
+    vae = models.sd_vae_with_latent_batch_norm()
     if getattr(vae.first_stage_model, "bn", None) is None:
         pytest.skip("this ComfyUI has no latent batch norm")
     z = _latent((1, vae.latent_channels, 5, 7), 11) * 2

@@ -126,6 +126,19 @@ def sd_vae(seed: int = 0):
     return comfy.sd.VAE(sd=random_state_dict(sd_vae_module(), seed))
 
 
+def sd_vae_with_latent_batch_norm():
+    """ComfyUI's VAE for a random 4-channel AutoencoderKL carrying Flux 2's latent batch-norm
+    statistics (`bn.*`); hosts without that norm load it without them."""
+    import comfy.sd
+
+    sd = random_state_dict(sd_vae_module(4), seed=3)
+    g = torch.Generator().manual_seed(4)
+    sd["bn.running_mean"] = torch.randn(16, generator=g)
+    sd["bn.running_var"] = torch.rand(16, generator=g) + 0.5
+    sd["bn.num_batches_tracked"] = torch.tensor(10)
+    return comfy.sd.VAE(sd=sd)
+
+
 def narrow_lora_file(seed: int = 0) -> Path:
     return _lora_file("qwen_image_narrow_lora_random", qwen_dit_module(2, **NARROW), seed)
 
