@@ -2,6 +2,7 @@
 
 from fractions import Fraction
 
+import comfy.model_management as mm
 import numpy as np
 import pytest
 import torch
@@ -198,8 +199,11 @@ def test_patched_vae_encodes_with_its_patches(vae_name, request):
     assert len(encoder) > 10
     px = _pixels((1, 48, 64, 3), 9)
     ref = _stock(vae, px)
-    for out in (_stock(patched, px), _tiled(patched, px, 24)):
-        assert out.shape == ref.shape and _rel(out, ref) <= 1e-3
+    try:
+        for out in (_stock(patched, px), _tiled(patched, px, 24)):
+            assert out.shape == ref.shape and _rel(out, ref) <= 1e-3
+    finally:  # the patched clone stays loaded, its patches in the shared VAE's modules
+        mm.unload_all_models()
 
 
 def test_out_of_memory_retries_with_a_smaller_budget(qwen_vae, oom_once):
