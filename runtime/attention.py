@@ -76,4 +76,5 @@ def attention_override(name: str):
         kwargs.pop("transformer_options", None)
         return attention(*args, **kwargs)
 
+    override.backend = name  # what a Multi-GPU worker rebuilds it from
     return override

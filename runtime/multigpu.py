@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import log_once, qwen_dit
-from .attention import BACKENDS, QUANTIZED, attention_override
+from .attention import attention_override
 from .cuda_graphs import own
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ IDLE = timedelta(days=1)  # a worker's wait for the next operation, between chec
 START_TIMEOUT = 300.0  # seconds for a worker to import torch and ComfyUI
 PENDING_BYTES = 1 << 30  # weights in flight at once while broadcasting (driver-side copies)
 FUSED = f"{qwen_dit.fused_block_forward.__name__}.<locals>.forward"
-_OVERRIDE_CODE = attention_override("sdpa").__code__
 
 # A worker's first lines: the parent's sys.path, the pack registered under the parent's
 # module name (ComfyUI names custom nodes by path), then `worker_main`.
@@ -87,20 +86,11 @@ class MultiGPUError(RuntimeError):
 # --- what a worker rebuilds ----------------------------------------------------------------
 
 
-def _cells(fn) -> dict:
-    cells = (c.cell_contents for c in fn.__closure__ or ())
-    return dict(zip(fn.__code__.co_freevars, cells, strict=True))
-
-
 def attention_name(override) -> str | None:
-    """The backend behind an `attention.attention_override(name)` function, read from its
-    closures (workers rebuild the pack's overrides by name); None for any other callable."""
-    if getattr(override, "__code__", None) is not _OVERRIDE_CODE:
-        return None
-    core = _cells(_cells(_cells(override)["attention"])["core"])
-    if "kernel" in core:
-        return next(n for n, k in QUANTIZED.items() if k is core["kernel"])
-    return next(n for n, b in BACKENDS.items() if b is core["backends"])
+    """The backend of an `attention.attention_override(name)` function (workers rebuild the
+    pack's overrides by name); None for any other callable."""
+    name = getattr(override, "backend", None)
+    return name if own(override) and isinstance(name, str) else None
 
 
 @functools.cache
