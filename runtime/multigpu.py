@@ -133,10 +133,11 @@ def fused_blocks(patcher, dm) -> bool:
     for key, obj in patcher.object_patches.items():
         if not key.startswith("diffusion_model."):
             continue
-        if (re.fullmatch(r"diffusion_model\.transformer_blocks\.\d+\.forward", key)
-                and getattr(obj, "__qualname__", "") == FUSED and own(obj)):  # fmt: skip
+        block = re.fullmatch(r"diffusion_model\.transformer_blocks\.\d+\.forward", key)
+        obj = inspect.unwrap(obj)  # the weight streamer's wrapper (workers load every weight)
+        if block and getattr(obj, "__qualname__", "") == FUSED and own(obj):
             fused += 1
-        else:
+        elif not (block and inspect.ismethod(obj) and type(obj.__self__).forward is obj.__func__):
             raise NotReplicable(f"object patch on {key!r}")
     if fused not in (0, len(dm.transformer_blocks)):
         raise NotReplicable("the fused forward on some blocks only")

@@ -324,7 +324,8 @@ def joint_attention(
         hq, hk, hv = project(x, linears)
         for h, norm, out in ((hq, norms[0], q), (hk, norms[1], k)):
             h = h.unflatten(-1, (heads, -1))
-            qk_norm_rope_into(h, norm.weight, freqs[:, rows], out[:, rows], norm.eps)
+            gain = norm.weight.to(out.device)  # left on the host by a partial load
+            qk_norm_rope_into(h, gain, freqs[:, rows], out[:, rows], norm.eps)
         vs.append(hv)
     v = torch.cat(vs, dim=1).unflatten(-1, (heads, -1))
     out = attention(

@@ -28,7 +28,7 @@ from ..kernels.fp8_linear import (
     gelu_tanh,
     quantize_rows,
 )
-from . import host, log_once, qwen_dit
+from . import host, log_once, qwen_dit, weight_streaming
 from .attention import attention_override
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     inference tensor"), as a test shows.
     """
 
+    # (weight, bias) as stored, copied to the compute device ahead of the call by
+    # weight_streaming while this layer is offloaded; None otherwise.
+    staged = None
+
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.scale_weight = torch.nn.Parameter(torch.ones((), device=device), requires_grad=False)
@@ -129,24 +133,35 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         on the fp8 or the unscaled weight: a failed or a wrong LoRA). Not requantized: the
         per-call cost stays a cast and a low-rank product."""
         # fp8 bytes cross to the GPU, then widen there (a cast in the copy runs on the CPU)
-        weight = self.convert_weight(self.weight.to(x.device).float())
+        weight, bias = self.staged or (self.weight, self.bias)
+        weight = self.convert_weight(weight.to(x.device).float())
         for patch in self.weight_function:
             key, patches = getattr(patch, "key", None), getattr(patch, "patches", None)
             if key is None or patches is None:  # not a LoRA patch: it takes the weight itself
                 weight = patch(weight)
             else:
                 weight = comfy.lora.calculate_weight(patches[key], weight, key)
-        bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
+        bias = None if bias is None else bias.to(x.device, x.dtype)
         for patch in self.bias_function if bias is not None else ():
             bias = patch(bias)
         return weight.to(x.dtype), bias
 
+    def _weights(self, x, dtype, bias_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight (unscaled) and bias on x's device: the staged copies, else ComfyUI's cast
+        (which also runs any patch functions)."""
+        if self.staged is None or self.weight_function or self.bias_function:
+            return comfy.ops.cast_bias_weight(self, x, dtype=dtype, bias_dtype=bias_dtype)
+        weight, bias = self.staged
+        return weight.to(dtype), None if bias is None else bias.to(bias_dtype)
+
     def forward_comfy_cast_weights(self, input):
         if self.weight.dtype != FP8:
-            return super().forward_comfy_cast_weights(input)
+            if self.staged is None:
+                return super().forward_comfy_cast_weights(input)
+            return F.linear(input, *self._weights(input, input.dtype, input.dtype))
         if self.weight_function:
             return F.linear(input, *self._patched(input))
-        weight, bias = comfy.ops.cast_bias_weight(self, input)
+        weight, bias = self._weights(input, input.dtype, input.dtype)
         scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
         if weight.numel() < input.numel():
             return F.linear(input, weight * scale, bias)
@@ -189,7 +204,7 @@ class Fp8FastLinear(Fp8Linear):
     def _fp8(self, x, gelu_input=False, x_fp8=None):
         if self.weight_function:  # a LoRA on a layer left on the host: bf16 GEMM
             return F.linear(gelu_tanh(x) if gelu_input else x, *self._patched(x))
-        weight, bias = comfy.ops.cast_bias_weight(self, x, dtype=FP8, bias_dtype=x.dtype)
+        weight, bias = self._weights(x, FP8, x.dtype)
         scale = self._scale_row(x.device)
         if _gemv_sized(x):  # the modulation linears
             return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
@@ -303,6 +318,19 @@ def add_fused_blocks(patcher) -> None:
         patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
 
 
+def stream_offloaded_weights(patcher) -> weight_streaming.BlockStreamer:
+    """Object patches: each block's forward (fused or not) copies the next block's offloaded
+    fp8 weights ahead (weight_streaming), where ComfyUI's partial load leaves some on the
+    host. Hosts that pin offloaded weights themselves (v0.33) are not mirrored."""
+    blocks = patcher.model.diffusion_model.transformer_blocks
+    streamer = weight_streaming.BlockStreamer(blocks, mirror=not hasattr(mm, "pin_memory"))
+    for i, block in enumerate(blocks):
+        key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
+        inner = patcher.object_patches.get(key, block.forward)
+        patcher.add_object_patch(key, streamer.forward(i, inner))
+    return streamer
+
+
 def set_attention(patcher, attention: str) -> None:
     if attention != "auto":
         options = patcher.model_options.setdefault("transformer_options", {})
@@ -343,6 +371,8 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
     )  # fmt: skip
     if fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes):
         add_fused_blocks(patcher)
+    if patcher.qwen_turbo_weights.startswith("fp8"):
+        stream_offloaded_weights(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):

@@ -1,0 +1,130 @@
+"""Weight streaming on a partly loaded Optimized Loader model: each block's offloaded fp8 weights
+copied ahead give ComfyUI's own per-layer copies' result, with and without a LoRA, and every
+fallback (no room, no pinned memory, a layer reloaded) still gives it."""
+
+import time
+
+import comfy.model_management as mm
+import comfy.sd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen_turbo import runtime
+from qwen_turbo.runtime import qwen_dit, qwen_loader, weight_streaming
+from tests.harness import models
+
+
+@pytest.fixture(scope="module")
+def narrow_sd():
+    return load_file(str(models.qwen_dit_narrow_file()))
+
+
+def _model(sd, weight_dtype, lora=False):
+    """(patcher with fused blocks, the same with streaming, its streamer)."""
+    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weight_dtype)
+    qwen_loader.add_fused_blocks(patcher)
+    if lora:
+        patcher, _ = comfy.sd.load_lora_for_models(
+            patcher, None, load_file(str(models.narrow_lora_file())), 1.0, 0
+        )
+    streaming = patcher.clone()
+    return patcher, streaming, qwen_loader.stream_offloaded_weights(streaming)
+
+
+def _sync(x):
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1):
+    """(output, seconds of the last of `repeats` forwards) with every layer left on the host
+    (ComfyUI's lowvram marks), as a sampler runs it under inference_mode."""
+    cfg = qwen_dit.read_config(patcher.model.diffusion_model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, cfg.out_channels, 1, *size, generator=g)
+    ctx = torch.randn(1, tokens, cfg.joint_attention_dim, generator=g)
+    x, ctx, t = (v.to(patcher.load_device) for v in (x, ctx, torch.tensor([0.6])))
+    opts = dict(patcher.model_options.get("transformer_options", {}))
+    with torch.inference_mode():
+        patcher.patch_model(patcher.load_device, lowvram_model_memory=1)
+        try:
+            layers = [m for m in patcher.model.modules() if hasattr(m, "staged")]
+            assert layers and all(weight_streaming.offloaded(m) for m in layers)
+            for _ in range(repeats):
+                _sync(x)
+                start = time.perf_counter()
+                out = patcher.model.apply_model(x, t, c_crossattn=ctx, transformer_options=opts)
+                _sync(x)
+            assert all(m.staged is None for m in layers)  # nothing kept after the call
+        finally:
+            patcher.unpatch_model(patcher.offload_device)
+    mm.unload_all_models()
+    return out.float(), time.perf_counter() - start
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
+def test_streamed_weights_give_comfyui_copies_result(narrow_sd, weight_dtype, lora):
+    plain, streaming, streamer = _model(narrow_sd, weight_dtype, lora)
+    want = _partly_loaded_forward(plain)[0]
+    got = _partly_loaded_forward(streaming)[0]
+    assert torch.equal(got, want)
+    assert streamer.copies == len(streamer.layers)  # every block took its staged copies
+    assert not streamer.ahead
+
+
+def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch):
+    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
+    monkeypatch.setattr(weight_streaming, "room", lambda device: 0)
+    assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
+    assert streamer.copies == 0
+
+
+def test_host_memory_that_cannot_be_pinned_is_copied_as_it_is(narrow_sd, caplog, monkeypatch):
+    """mirror=True on this host: CPU-only torch cannot pin memory, so streaming logs once
+    and copies from pageable memory."""
+    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here")
+    streamer.mirror = True
+    monkeypatch.setattr(runtime, "_logged", set())  # log_once may have said it already
+    assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
+    assert not streamer.mirror and streamer.copies == len(streamer.layers)
+    assert "host memory not pinned" in caplog.text
+
+
+def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
+    """A copy made ahead for a layer whose weight was replaced since is not used."""
+    _, _, streamer = _model(narrow_sd, "fp8_e4m3fn")
+    layers = streamer.layers[1]
+    for m in layers:
+        m.prev_comfy_cast_weights = True  # ComfyUI's mark of a layer left on the host
+    streamer._prefetch(1, torch.device("cpu"))
+    reloaded = layers[0]
+    reloaded.weight = torch.nn.Parameter(reloaded.weight.clone(), requires_grad=False)
+    seen = {}
+    streamer.forward(1, lambda x: seen.update({m: m.staged for m in layers}))(torch.zeros(1))
+    assert seen[reloaded] is None
+    assert all(seen[m][0] is m.weight for m in layers[1:])  # a CPU "copy" is the tensor
+    assert all(m.staged is None for m in layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_streaming_full_width_on_gpu():
+    """Six full-width blocks in fp8_fast with every layer on the host, 1328² (83² tokens and
+    256 text tokens): streaming gives ComfyUI's per-layer copies' result bit for bit, in less
+    time (second forwards: the first pins or compiles)."""
+    from qwen_turbo.runtime import bench
+
+    sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
+    plain, streaming, streamer = _model(sd, "fp8_e4m3fn_fast")
+    for patcher in (plain, streaming):  # the test host runs ComfyUI on the CPU
+        patcher.load_device = torch.device("cuda")
+    want, slow = _partly_loaded_forward(plain, (166, 166), 256, repeats=2)
+    got, fast = _partly_loaded_forward(streaming, (166, 166), 256, repeats=2)
+    assert torch.equal(got, want)
+    assert streamer.copies == 2 * len(streamer.layers)
+    print(f"ComfyUI's copies {slow * 1e3:.1f} ms, streamed {fast * 1e3:.1f} ms")
+    assert fast < slow
