@@ -1,20 +1,26 @@
-"""A bundled workflow through ComfyUI's executor on a simulated card: stock nodes against the
-pack's, in one process.
+"""A bundled workflow through ComfyUI's executor on a simulated card: stock nodes and the pack's.
 
-A card of N GiB is simulated by filling the GPU until `torch.cuda.mem_get_info` reports N - 1
-GiB free (what a 24 GB card leaves a desktop user), which is what ComfyUI and the pack read;
-`set_per_process_memory_fraction` would not show in it. Random full-size weights are written
-as the files the workflow names, the DiT in the layout of Comfy-Org's repackaged
-`qwen_image_2512_fp8_e4m3fn.safetensors` (every matrix in float8_e4m3fn, vectors in bf16); the
-LoRA is random at rank 64 on every linear of the blocks. The text encoder is replaced by
-seeded random conditioning (tests/testing_nodes), 256 tokens.
+Both run in one process. A card of N GiB is simulated by filling the GPU until
+`torch.cuda.mem_get_info` reports N - 1 GiB free (what a 24 GB card leaves a desktop user),
+which is what ComfyUI and the pack read; `set_per_process_memory_fraction` would not show in
+it. Random full-size weights are written as the files the workflow names, the DiT in the layout
+of Comfy-Org's repackaged `qwen_image_2512_fp8_e4m3fn.safetensors` (every matrix in
+float8_e4m3fn, vectors in bf16), or for Edit-2511 of its `fp8mixed` file (block matrices in fp8
+with a scale each, the rest bf16, the `__index_timestep_zero__` marker); the LoRA is random at
+rank 64 on every linear of the blocks. The text encoder is replaced by seeded random
+conditioning (tests/testing_nodes), 256 tokens; for Edit, 256 (64 for the empty negative) plus
+196 vision tokens per picture, and the reference latents VAE-encoded inside that node as
+TextEncodeQwenImageEditPlus does (each picture at about 1024²). LoadImage reads a random
+2048x1536 PNG written into the input folder.
 
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
-UNETLoader (default dtype), KSampler, VAEDecode, no VAE patches. Each runs twice: the first run
-with nothing loaded or captured (the file in the OS cache), then a second with a new seed.
+UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches. Each runs twice:
+the first run with nothing loaded or captured (the file in the OS cache), then a second with a
+new sampler seed (the conditioning and encodes cached, as in ComfyUI).
 Prints a table and JSON on the last line.
 
     COMFYUI_PATH=~/comfy/ComfyUI-v0.33 python benchmarks/card_workflow.py --cards 24 16
+    ... --workflow qwen_image_edit_2511_2512px --cards 24 0
 """
 
 import argparse
@@ -35,8 +41,11 @@ STOCK = {
                                                          if k != "capture"}),
     "QwenTurboVAEDecodeTiled": ("VAEDecode", lambda i: {"samples": i["samples"],
                                                         "vae": i["vae"]}),
+    "QwenTurboVAEEncodeTiled": ("VAEEncode", lambda i: {"pixels": i["pixels"],
+                                                        "vae": i["vae"]}),
 }  # fmt: skip
 PATCHES = ("QwenTurboFusedNormPatch", "QwenTurboTextureUpsample")
+PICTURE = (1536, 2048)  # (height, width) of LoadImage's random picture
 
 
 def write_models(root: Path, api: dict) -> None:
@@ -44,29 +53,28 @@ def write_models(root: Path, api: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.runtime import bench, qwen_dit
 
     names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
     dit = root / "diffusion_models" / names["unet_name"]
-    if not dit.exists():
+    lora = root / "loras" / names["lora_name"] if "lora_name" in names else None
+    if not dit.exists() or (lora and not lora.exists()):
         sd = bench.qwen_dit_state_dict(60, "cuda")
-        fp8 = {k: (t.to(torch.float8_e4m3fn) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+        if lora and not lora.exists():
+            lora.parent.mkdir(parents=True, exist_ok=True)
+            save_file(random_lora(sd), str(lora))
+        if not dit.exists():
+            if "2511" in dit.name:  # Comfy-Org's Edit-2511 file: fp8mixed, the marker key
+                from tests.harness.models import to_fp8mixed
+
+                sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
+                sd = to_fp8mixed(qwen_dit.to_scaled_fp8(sd))
+            else:
+                fp8 = torch.float8_e4m3fn
+                sd = {k: (t.to(fp8) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+            dit.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: t.cpu() for k, t in sd.items()}, str(dit))
         del sd
-        dit.parent.mkdir(parents=True, exist_ok=True)
-        save_file(fp8, str(dit))
-        if "lora_name" in names:
-            lora = {}
-            g = torch.Generator().manual_seed(1)
-            for k, t in fp8.items():
-                if t.ndim == 2 and k.startswith("transformer_blocks."):
-                    key = "diffusion_model." + k[: -len(".weight")]
-                    up = torch.randn(t.shape[0], 64, generator=g) * 0.02
-                    lora[key + ".lora_up.weight"] = up.to(torch.bfloat16)
-                    down = torch.randn(64, t.shape[1], generator=g) / t.shape[1] ** 0.5
-                    lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
-            (root / "loras").mkdir(exist_ok=True)
-            save_file(lora, str(root / "loras" / names["lora_name"]))
-        del fp8
     vae = root / "vae" / names["vae_name"]
     if not vae.exists():
         vae.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +82,37 @@ def write_models(root: Path, api: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def random_lora(sd: dict, rank: int = 64) -> dict:
+    """A LoRA (bf16, ComfyUI's lora_up/lora_down names) on every linear of the DiT's blocks."""
+    import torch
+
+    lora, g = {}, torch.Generator().manual_seed(1)
+    for k, t in sd.items():
+        if t.ndim == 2 and k.startswith("transformer_blocks."):
+            key = "diffusion_model." + k[: -len(".weight")]
+            up = torch.randn(t.shape[0], rank, generator=g) * 0.02
+            lora[key + ".lora_up.weight"] = up.to(torch.bfloat16)
+            down = torch.randn(rank, t.shape[1], generator=g) / t.shape[1] ** 0.5
+            lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
+    return lora
+
+
+def write_pictures(folder: Path, api: dict) -> None:
+    """A random PNG (PICTURE) under each name LoadImage reads, where missing."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for node in api.values():
+        path = folder / node["inputs"]["image"] if node["class_type"] == "LoadImage" else None
+        if path and not path.exists():
+            pixels = np.random.default_rng(0).integers(0, 256, (*PICTURE, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(path)
+
+
 def prompts(workflow: Path) -> dict:
-    """{"pack": api, "stock": api} for a bundled workflow, text encoding replaced."""
+    """{"pack": api, "stock": api} for a bundled workflow, text encoding replaced (Edit's by
+    QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
     import nodes
     from qwen_turbo.runtime.workflow import object_info, ui_to_api
 
@@ -87,6 +124,17 @@ def prompts(workflow: Path) -> dict:
         if node["class_type"] == "CLIPTextEncode":
             cond = {"seed": int(node_id), "tokens": 256, "width": 3584}
             node = {"class_type": "QwenTurboTestConditioning", "inputs": cond}
+        if node["class_type"] == "TextEncodeQwenImageEditPlus":  # the empty negative: 64
+            i = node["inputs"]
+            cond = {
+                "seed": int(node_id),
+                "tokens": 256 if i["prompt"] else 64,
+                "width": 3584,
+                "vision_tokens": 196,
+                "reference_side": 1024,
+                **{k: v for k, v in i.items() if k in ("vae", "image1", "image2", "image3")},
+            }
+            node = {"class_type": "QwenTurboTestEditConditioning", "inputs": cond}
         pack[node_id] = node
     stock = {}
     for node_id, node in pack.items():
@@ -134,18 +182,22 @@ class Recorder:
 
 
 def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
+    """One execution of `api` with `seed` in its samplers; peak_gib is None without CUDA."""
     import torch
 
+    cuda = torch.cuda.is_available()
     for node in api.values():
-        if "seed" in node["inputs"]:
+        if "seed" in node["inputs"] and "steps" in node["inputs"]:  # samplers, not conds
             node["inputs"]["seed"] = seed
     server.times, server.error = {}, None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     outputs = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
     executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     total = time.perf_counter() - t0
     by_kind = {}
     for node_id, s in server.times.items():
@@ -154,7 +206,8 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     return {
         "ok": executor.success, "error": server.error, "seconds": round(total, 2),
         "nodes": by_kind,
-        "peak_gib": round((torch.cuda.max_memory_allocated() - filler_bytes) / GiB, 2),
+        "peak_gib": round((torch.cuda.max_memory_allocated() - filler_bytes) / GiB, 2)
+        if cuda else None,
     }  # fmt: skip
 
 
@@ -199,30 +252,22 @@ def init_dynamic_vram(start: bool) -> bool:
     return bool(ok)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workflow", default="qwen_image_2512_turbo_2512px")
-    p.add_argument("--cards", type=float, nargs="+", default=[24, 16], help="GiB; 0 = whole")
-    p.add_argument("--variants", nargs="+", default=["stock", "pack"])
-    p.add_argument("--models", default="/tmp/qwen-turbo-models")
-    p.add_argument("--dynamic-vram", action="store_true", help="v0.33: as main.py enables it")
-    a = p.parse_args()
-    if a.dynamic_vram:
+def start(models: Path, dynamic_vram: bool = False) -> bool:
+    """ComfyUI in this process, as `main.py` sets it up (with comfy-aimdo's dynamic VRAM where
+    `dynamic_vram` and present): its nodes, the pack's and the test nodes; model and input
+    folders under `models`. Returns whether dynamic VRAM is on."""
+    if dynamic_vram:
         from tests.harness.comfyui import find_comfyui
 
         sys.path.insert(0, str(find_comfyui()))
-        a.dynamic_vram = init_dynamic_vram(start=True)
+        dynamic_vram = init_dynamic_vram(start=True)
     setup_comfy()
     import asyncio
 
-    import comfy.model_management as mm
-    import execution
     import folder_paths
-    import torch
 
     import nodes
     import qwen_turbo
-    from qwen_turbo.runtime import headless
     from tests import testing_nodes
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
@@ -230,14 +275,38 @@ def main():
         ext = asyncio.run(pack.comfy_entrypoint())
         for cls in asyncio.run(ext.get_node_list()):
             nodes.NODE_CLASS_MAPPINGS[cls.define_schema().node_id] = cls
-    dynamic = a.dynamic_vram and init_dynamic_vram(start=False)
+    dynamic = dynamic_vram and init_dynamic_vram(start=False)
     folder_paths.set_output_directory("/tmp/qwen-turbo-out")
-    models = Path(a.models)
+    folder_paths.set_input_directory(str(models / "input"))
     for kind in ("diffusion_models", "vae", "loras"):
         folder_paths.folder_names_and_paths[kind] = ([str(models / kind)], {".safetensors"})
     folder_paths.filename_list_cache.clear()
+    return bool(dynamic)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--workflow",
+        default="qwen_image_2512_turbo_2512px",
+        choices=sorted(f.stem for f in (ROOT / "workflows").glob("*.json")),
+    )
+    p.add_argument("--cards", type=float, nargs="+", default=[24, 16], help="GiB; 0 = whole")
+    p.add_argument("--variants", nargs="+", default=["stock", "pack"])
+    p.add_argument("--models", default="/tmp/qwen-turbo-models")
+    p.add_argument("--dynamic-vram", action="store_true", help="v0.33: as main.py enables it")
+    a = p.parse_args()
+    models = Path(a.models)
+    dynamic = start(models, a.dynamic_vram)
+    import comfy.model_management as mm
+    import execution
+    import torch
+
+    from qwen_turbo.runtime import headless
+
     variants = prompts(ROOT / "workflows" / f"{a.workflow}.json")
     write_models(models, variants["pack"])
+    write_pictures(models / "input", variants["pack"])
 
     rows = []
     for card in a.cards:

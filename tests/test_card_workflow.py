@@ -1,0 +1,209 @@
+"""benchmarks/card_workflow.py on CPU: the stock and pack API graphs it makes from every bundled
+workflow pass ComfyUI's validation at full size; an Edit workflow runs end to end on the tiny
+models through the executor with the benchmark's Recorder and run_once, stock and pack; the
+test Edit conditioning hands the VAE the pixels TextEncodeQwenImageEditPlus hands it."""
+
+import asyncio
+import importlib.util
+import sys
+
+import execution
+import folder_paths
+import numpy as np
+import pytest
+import torch
+from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
+from PIL import Image
+from safetensors.torch import load_file
+
+import nodes
+from qwen_turbo.nodes import NODES
+from qwen_turbo.runtime import headless
+from tests import testing_nodes
+from tests.harness import models
+from tests.harness.comfyui import ROOT
+
+WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+
+
+def _load(name: str):
+    """A benchmark script as module `name` (soak imports card_workflow by that name)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+card = _load("card_workflow")
+soak = _load("soak")
+
+
+@pytest.fixture
+def comfy(tmp_path, monkeypatch):
+    """The executor's node table with the pack and test nodes; model folders whose files carry
+    the bundled workflows' names (links to the tiny models); input and output in tmp_path."""
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    for cls in [*NODES, testing_nodes.TestConditioning, testing_nodes.TestEditConditioning]:
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, cls.define_schema().node_id, cls)
+    tiny = {"vae": models.qwen_vae_file(), "loras": models.full_lora_file()}
+    for path in WORKFLOWS:
+        for node in card.prompts(path)["pack"].values():
+            for key, name in node["inputs"].items():
+                kind = {"unet_name": "diffusion_models", "vae_name": "vae", "lora_name": "loras"}
+                if key not in kind:
+                    continue
+                link = tmp_path / "models" / kind[key] / name
+                link.parent.mkdir(parents=True, exist_ok=True)
+                if not link.exists():
+                    dit = (models.qwen_dit_variant_file("edit_2511") if "2511" in name
+                           else models.qwen_dit_file())  # fmt: skip
+                    link.symlink_to(tiny.get(kind[key], dit))
+        card.write_pictures(tmp_path / "input", card.prompts(path)["pack"])
+    for kind in ("diffusion_models", "vae", "loras"):
+        paths = ([str(tmp_path / "models" / kind)], {".safetensors"})
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_graphs_validate_at_full_size(comfy, path):
+    variants = card.prompts(path)
+    for variant, api in variants.items():
+        valid, error, outputs, node_errors = asyncio.run(
+            execution.validate_prompt("card", api, None)
+        )
+        assert valid and not node_errors, (variant, error, node_errors)
+        assert [api[k]["class_type"] for k in outputs] == ["SaveImage"]
+    kinds = {v: {n["class_type"] for n in api.values()} for v, api in variants.items()}
+    assert not kinds["stock"] & {"QwenTurboLoader", "QwenTurboCUDAGraphSampler",
+                                 "QwenTurboVAEDecodeTiled", "QwenTurboVAEEncodeTiled",
+                                 *card.PATCHES}  # fmt: skip
+    assert "TextEncodeQwenImageEditPlus" not in kinds["pack"] | kinds["stock"]
+    assert not {"CLIPLoader", "CLIPTextEncode"} & (kinds["pack"] | kinds["stock"])
+    if "edit" in path.stem:
+        assert {"QwenTurboVAEEncodeTiled", "QwenTurboTestEditConditioning"} <= kinds["pack"]
+        assert {"VAEEncode", "LoadImage", "QwenTurboTestEditConditioning"} <= kinds["stock"]
+
+
+def test_soak_cycles_sizes_batches_and_the_lora(comfy):
+    """soak.py's 20 runs: every size with the LoRA on and off, batches 1 and 2, run 2 and run
+    20 the same case; each graph, the LoRA bypassed or not, passes ComfyUI's validation."""
+    cases = [soak.case(run, batch_2512=1) for run in range(1, 21)]
+    assert cases[1] == cases[19]
+    for size in soak.SIZES:
+        assert {lora for w, h, _, lora in cases if (w, h) == size} == {True, False}
+    assert {b for w, _, b, _ in cases if w != 2512} == {1, 2}
+    assert {b for w, _, b, _ in cases if w == 2512} == {1}
+    assert {soak.case(r, batch_2512=2)[2] for r in range(1, 21)} == {1, 2}
+    api = card.prompts(ROOT / "workflows" / f"{soak.WORKFLOW}.json")["pack"]
+    for width, height, batch, lora in cases[: soak.CYCLE]:
+        run = soak.variant(api, width, height, batch, lora)
+        valid, error, _, node_errors = asyncio.run(execution.validate_prompt("soak", run, None))
+        assert valid and not node_errors, (width, lora, error, node_errors)
+        kinds = [n["class_type"] for n in run.values()]
+        assert kinds.count("LoraLoaderModelOnly") == lora
+        (latent,) = [n["inputs"] for n in run.values() if n["class_type"] == "EmptySD3LatentImage"]
+        assert (latent["width"], latent["height"], latent["batch_size"]) == (width, height, batch)
+    assert api == card.prompts(ROOT / "workflows" / f"{soak.WORKFLOW}.json")["pack"]
+
+
+def test_edit_workflow_runs_stock_and_pack(comfy):
+    """qwen_image_edit_2509_2512px at 32² (references at 32², 1 step, 8 + 4 tokens): both
+    variants finish, the encodes run as nodes, and a second run (a new seed) reruns only the
+    sampler and what follows it."""
+    variants = card.prompts(ROOT / "workflows" / "qwen_image_edit_2509_2512px.json")
+    for variant, api in variants.items():
+        for node in api.values():
+            kind, i = node["class_type"], node["inputs"]
+            i.update({"width": 32, "height": 32} if kind == "ImageScale" else {})
+            if kind == "QwenTurboTestEditConditioning":
+                i.update(tokens=8, vision_tokens=4, reference_side=32)
+            i.update({"steps": 1} if "steps" in i else {})
+        server = card.Recorder()
+        executor = headless._executor(execution, server)
+        first = card.run_once(executor, server, api, 1, 0)
+        assert first["ok"] and first["error"] is None, (variant, first)
+        encode = "QwenTurboVAEEncodeTiled" if variant == "pack" else "VAEEncode"
+        sampler = "QwenTurboCUDAGraphSampler" if variant == "pack" else "KSampler"
+        assert {encode, sampler, "QwenTurboTestEditConditioning"} <= first["nodes"].keys()
+        later = card.run_once(executor, server, api, 2, 0)
+        assert later["ok"], (variant, later)
+        assert sampler in later["nodes"] and encode not in later["nodes"]
+        assert "QwenTurboTestEditConditioning" not in later["nodes"]
+    saved = sorted((comfy / "output").glob("*.png"))
+    assert len(saved) == 4
+    assert all(Image.open(p).size == (32, 32) for p in saved)
+
+
+class _RecordingVAE:
+    """Records the pixels a node encodes; gives a latent of their size (no weights run)."""
+
+    def __init__(self):
+        self.pixels = []
+
+    def encode(self, pixels):
+        self.pixels.append(pixels)
+        return torch.zeros(1, 16, 1, pixels.shape[1] // 8, pixels.shape[2] // 8)
+
+
+class _Clip:
+    def tokenize(self, text, images=(), **kwargs):
+        return len(images)
+
+    def encode_from_tokens_scheduled(self, n_images):
+        return [[torch.zeros(1, 5, 8), {}]]
+
+
+def test_edit_conditioning_encodes_what_the_host_node_encodes():
+    g = np.random.default_rng(0)
+    images = [torch.from_numpy(g.random((1, h, w, 3), dtype=np.float32))
+              for h, w in ((1536, 2048), (333, 517))]  # fmt: skip
+    host, ours = _RecordingVAE(), _RecordingVAE()
+    (want,) = TextEncodeQwenImageEditPlus.execute(_Clip(), "edit", host, *images).result
+    (got,) = testing_nodes.TestEditConditioning.execute(7, 10, 64, 196, 1024, ours, *images).result
+    assert len(ours.pixels) == len(host.pixels) == 2
+    for a, b in zip(ours.pixels, host.pixels, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert [r.shape for r in got[0][1]["reference_latents"]] == [
+        r.shape for r in want[0][1]["reference_latents"]
+    ]
+    assert got[0][0].shape == (1, 10 + 2 * 196, 64)
+
+
+def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
+    """Edit-2509's file: every matrix fp8; Edit-2511's: fp8mixed with the marker key, read as
+    index_timestep_zero; the LoRA on every block linear, written where only it is missing."""
+    from qwen_turbo.runtime import bench, qwen_dit
+
+    small = bench.qwen_dit_state_dict
+    monkeypatch.setattr(
+        bench, "qwen_dit_state_dict", lambda layers, device: small(1, "cpu", **bench.NARROW)
+    )
+    methods, root = {}, comfy / "written"
+    for name in ("qwen_image_edit_2509_2512px", "qwen_image_edit_2511_2512px"):
+        api = card.prompts(ROOT / "workflows" / f"{name}.json")["pack"]
+        names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
+        card.write_models(root, api)
+        sd = load_file(str(root / "diffusion_models" / names["unet_name"]))
+        matrices = {k: t.dtype for k, t in sd.items() if t.ndim == 2}
+        blocks = {k for k in matrices if k.startswith("transformer_blocks.")}
+        assert all(matrices[k] == torch.float8_e4m3fn for k in blocks)
+        if "2511" in name:
+            assert any(k.endswith(".comfy_quant") for k in sd)
+            assert all(matrices[k] == torch.bfloat16 for k in matrices.keys() - blocks)
+        else:
+            assert set(matrices.values()) == {torch.float8_e4m3fn}
+        methods[name] = qwen_dit.read_config(qwen_dit.from_mixed(sd)).default_ref_method
+        lora = root / "loras" / names["lora_name"]
+        assert len(load_file(str(lora))) == 2 * len(blocks)
+        lora.unlink()
+        card.write_models(root, api)
+        assert lora.exists()
+    assert methods == {
+        "qwen_image_edit_2509_2512px": "index",
+        "qwen_image_edit_2511_2512px": "index_timestep_zero",
+    }
