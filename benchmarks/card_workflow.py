@@ -277,6 +277,7 @@ def start(models: Path, dynamic_vram: bool = False) -> bool:
             nodes.NODE_CLASS_MAPPINGS[cls.define_schema().node_id] = cls
     dynamic = dynamic_vram and init_dynamic_vram(start=False)
     folder_paths.set_output_directory("/tmp/qwen-turbo-out")
+    (models / "input").mkdir(parents=True, exist_ok=True)  # LoadImage lists it
     folder_paths.set_input_directory(str(models / "input"))
     for kind in ("diffusion_models", "vae", "loras"):
         folder_paths.folder_names_and_paths[kind] = ([str(models / kind)], {".safetensors"})

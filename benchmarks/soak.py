@@ -58,6 +58,34 @@ def variant(api: dict, width: int, height: int, batch: int, lora: bool) -> dict:
     return out
 
 
+def report(rows: list[dict]) -> dict | None:
+    """Print the table and the verdict line; the verdict (None with fewer than 8 runs)."""
+    print(f"{'run':>3} {'size':>9} {'batch':>5} {'lora':4} {'ok':3} {'s':>6} {'peak':>6} "
+          f"{'alloc':>6} {'reserv':>6} {'comfy free':>10}  (GiB after the run)")  # fmt: skip
+    for r in rows:
+        print(f"{r['run']:3d} {r['width']:>4}x{r['height']:<4} {r['batch']:5d} "
+              f"{'on' if r['lora'] else 'off':4} {'yes' if r['ok'] else 'NO':3} "
+              f"{r['seconds']:6.2f} {r['peak_gib']:6.2f} {r['allocated_gib']:6.2f} "
+              f"{r['reserved_gib']:6.2f} {r['comfy_free_gib']:10.2f}"
+              + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
+    same = [r for r in rows if r["run"] % CYCLE == 2 % CYCLE]  # run 2's case
+    if len(same) < 2:
+        return None
+    first, last = same[0], same[-1]
+    verdict = {
+        "from_run": first["run"], "to_run": last["run"],
+        "drift_gib": round(last["allocated_gib"] - first["allocated_gib"], 3),
+        "comfy_free_drift_gib": round(last["comfy_free_gib"] - first["comfy_free_gib"], 3),
+        "allocated_gib_same_case": {r["run"]: r["allocated_gib"] for r in same},
+        "failed_runs": [r["run"] for r in rows if not r["ok"]],
+    }  # fmt: skip
+    failed = ", ".join(map(str, verdict["failed_runs"])) or "none"
+    print(f"verdict: allocated after run {last['run']} minus after run {first['run']} (same "
+          f"case): {verdict['drift_gib']:+.3f} GiB (ComfyUI's free memory "
+          f"{verdict['comfy_free_drift_gib']:+.3f} GiB); failed runs: {failed}")  # fmt: skip
+    return verdict
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--card", type=float, default=24, help="GiB; 0 = the whole GPU")
@@ -106,24 +134,7 @@ def main():
     card = (f"{a.card:g} GiB card" if a.card else "whole GPU") + f", {free:.1f} GiB free"
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}"
           f"{', dynamic VRAM' if dynamic else ''}, {WORKFLOW}, {card}")  # fmt: skip
-    print(f"{'run':>3} {'size':>9} {'batch':>5} {'lora':4} {'ok':3} {'s':>6} {'peak':>6} "
-          f"{'alloc':>6} {'reserv':>6} {'comfy free':>10}  (GiB after the run)")  # fmt: skip
-    for r in rows:
-        print(f"{r['run']:3d} {r['width']:>4}x{r['height']:<4} {r['batch']:5d} "
-              f"{'on' if r['lora'] else 'off':4} {'yes' if r['ok'] else 'NO':3} "
-              f"{r['seconds']:6.2f} {r['peak_gib']:6.2f} {r['allocated_gib']:6.2f} "
-              f"{r['reserved_gib']:6.2f} {r['comfy_free_gib']:10.2f}"
-              + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
-    verdict = None
-    same = [r for r in rows[1:] if (r["run"] - 2) % CYCLE == 0]  # run 2's case
-    if len(same) > 1:
-        first, last = same[0], same[-1]
-        drift = round(last["allocated_gib"] - first["allocated_gib"], 3)
-        verdict = {"from_run": first["run"], "to_run": last["run"], "drift_gib": drift,
-                   "failed_runs": [r["run"] for r in rows if not r["ok"]]}  # fmt: skip
-        failed = ", ".join(map(str, verdict["failed_runs"])) or "none"
-        print(f"verdict: allocated after run {last['run']} minus after run {first['run']} "
-              f"(same case): {drift:+.3f} GiB; failed runs: {failed}")  # fmt: skip
+    verdict = report(rows)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "comfyui": version, "dynamic_vram": dynamic, "workflow": WORKFLOW,
                       "card_gib": a.card or None, "free_gib": round(free, 2),
