@@ -62,7 +62,7 @@ def write_models(root: Path, api: dict) -> None:
         sd = bench.qwen_dit_state_dict(60, "cuda")
         if lora and not lora.exists():
             lora.parent.mkdir(parents=True, exist_ok=True)
-            save_file(random_lora(sd), str(lora))
+            save_file(bench.random_lora(sd), str(lora))
         if not dit.exists():
             if "2511" in dit.name:  # Comfy-Org's Edit-2511 file: fp8mixed, the marker key
                 from tests.harness.models import to_fp8mixed
@@ -80,21 +80,6 @@ def write_models(root: Path, api: dict) -> None:
         vae.parent.mkdir(parents=True, exist_ok=True)
         save_file(bench.random_state_dict(bench.qwen_vae_module(), seed=0), str(vae))
     torch.cuda.empty_cache()
-
-
-def random_lora(sd: dict, rank: int = 64) -> dict:
-    """A LoRA (bf16, ComfyUI's lora_up/lora_down names) on every linear of the DiT's blocks."""
-    import torch
-
-    lora, g = {}, torch.Generator().manual_seed(1)
-    for k, t in sd.items():
-        if t.ndim == 2 and k.startswith("transformer_blocks."):
-            key = "diffusion_model." + k[: -len(".weight")]
-            up = torch.randn(t.shape[0], rank, generator=g) * 0.02
-            lora[key + ".lora_up.weight"] = up.to(torch.bfloat16)
-            down = torch.randn(rank, t.shape[1], generator=g) / t.shape[1] ** 0.5
-            lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
-    return lora
 
 
 def write_pictures(folder: Path, api: dict) -> None:

@@ -42,23 +42,6 @@ def fp8_file_state_dict(layers: int) -> dict:
     return out
 
 
-def random_lora(sd: dict, rank: int = 64) -> dict:
-    """A LoRA file's tensors for every linear of the blocks (ComfyUI's lora_up/down names)."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    lora = {}
-    for k, t in sd.items():
-        if t.ndim == 2 and k.startswith("transformer_blocks."):
-            key = "diffusion_model." + k[: -len(".weight")]
-            lora[key + ".lora_up.weight"] = (torch.randn(t.shape[0], rank, generator=g) * 0.02).to(
-                torch.bfloat16
-            )
-            down = torch.randn(rank, t.shape[1], generator=g) / t.shape[1] ** 0.5
-            lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
-    return lora
-
-
 def load(variant: str, sd: dict, lora: dict | None):
     import comfy.sd
 
@@ -87,7 +70,7 @@ def measure(patcher, size: int, repeats: int) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         _, conds, models = comfy.sampler_helpers.prepare_sampling(
-            patcher, (1, 16, size // 8, size // 8), {}
+            patcher, (1, 16, size // 8, size // 8), {}, patcher.model_options
         )
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
@@ -125,7 +108,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")
     sd = fp8_file_state_dict(a.layers)
-    lora = random_lora(sd) if a.lora else None
+    lora = bench.random_lora(sd) if a.lora else None
     rows, ref = [], None
     for card in a.cards:
         filler = fill_to(card - 1) if card else None

@@ -37,6 +37,20 @@ def qwen_dit_state_dict(layers: int, device: str, dtype=torch.bfloat16, **config
     return random_state_dict(m, seed=0, dtype=dtype, device=device)
 
 
+def random_lora(sd: dict, rank: int = 64) -> dict:
+    """A LoRA (bf16, ComfyUI's lora_up/lora_down names) on every linear of the DiT's blocks,
+    as the Lightning LoRA is."""
+    lora, g = {}, torch.Generator().manual_seed(1)
+    for k, t in sd.items():
+        if t.ndim == 2 and k.startswith("transformer_blocks."):
+            key = "diffusion_model." + k[: -len(".weight")]
+            up = torch.randn(t.shape[0], rank, generator=g) * 0.02
+            lora[key + ".lora_up.weight"] = up.to(torch.bfloat16)
+            down = torch.randn(rank, t.shape[1], generator=g) / t.shape[1] ** 0.5
+            lora[key + ".lora_down.weight"] = down.to(torch.bfloat16)
+    return lora
+
+
 def qwen_vae_module():
     """The Qwen-Image VAE: ComfyUI's Wan 2.1 VAE at full width (dim 96, z 16), on meta."""
     from comfy.ldm.wan.vae import WanVAE

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.fp8_linear import (
     FP8,
+    FP8_MAX,
     fp8_gemm_reason,
     fp8_gemv,
     fp8_linear,
@@ -126,12 +127,21 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
             elif name != "scale_weight" and getattr(self, name) is not None:
                 missing.append(prefix + name)
 
-    def _patched(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weight and bias in x's dtype on x's device with ComfyUI's lowvram LoRA patches
-        (`weight_function`, set on layers left on the host) applied to the dequantized weight
-        in float32, as a loaded model's are, on every host (v0.33's cast_bias_weight runs them
-        on the fp8 or the unscaled weight: a failed or a wrong LoRA). Not requantized: the
-        per-call cost stays a cast and a low-rank product."""
+    def _scale(self, device) -> torch.Tensor:
+        """scale_weight in float32 on `device`, copied once per scale tensor and device: a
+        copy from the host on every call would wait for the GPU to finish its queue."""
+        key = (self.scale_weight.data_ptr(), device)
+        if getattr(self, "_scale_key", None) != key:
+            self._scale_value = self.scale_weight.to(device=device, dtype=torch.float32)
+            self._scale_key = key
+        return self._scale_value
+
+    def _patched(self, x, dtype=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight (in `dtype`, x's by default) and bias (x's dtype) on x's device with
+        ComfyUI's lowvram LoRA patches (`weight_function`, set on layers left on the host)
+        applied to the dequantized weight in float32, as a loaded model's are, on every host
+        (v0.33's cast_bias_weight runs them on the fp8 or the unscaled weight: a failed or a
+        wrong LoRA)."""
         # fp8 bytes cross to the GPU, then widen there (a cast in the copy runs on the CPU)
         weight, bias = self.staged or (self.weight, self.bias)
         weight = self.convert_weight(weight.to(x.device).float())
@@ -144,7 +154,7 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         bias = None if bias is None else bias.to(x.device, x.dtype)
         for patch in self.bias_function if bias is not None else ():
             bias = patch(bias)
-        return weight.to(x.dtype), bias
+        return weight.to(dtype or x.dtype), bias
 
     def _weights(self, x, dtype, bias_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight (unscaled) and bias on x's device: the staged copies, else ComfyUI's cast
@@ -162,7 +172,7 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         if self.weight_function:
             return F.linear(input, *self._patched(input))
         weight, bias = self._weights(input, input.dtype, input.dtype)
-        scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
+        scale = self._scale(weight.device).to(weight.dtype)
         if weight.numel() < input.numel():
             return F.linear(input, weight * scale, bias)
         return F.linear(input * scale, weight, bias)
@@ -170,7 +180,7 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     def convert_weight(self, weight, inplace=False, **kwargs):
         if self.weight.dtype != FP8:
             return weight
-        scale = self.scale_weight.to(device=weight.device, dtype=weight.dtype)
+        scale = self._scale(weight.device).to(weight.dtype)
         return weight.mul_(scale) if inplace else weight * scale
 
     def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
@@ -194,18 +204,19 @@ class Fp8FastLinear(Fp8Linear):
     def _scale_row(self, device) -> torch.Tensor:
         """scale_weight as the (1, N) float32 row _scaled_mm takes, made once per scale
         tensor and device instead of on every call."""
-        key = (self.scale_weight.data_ptr(), device)
-        if getattr(self, "_scale_row_key", None) != key:
-            s = self.scale_weight.to(device=device, dtype=torch.float32)
-            self._scale_row_value = s.reshape(1, 1).expand(1, self.out_features).clone()
-            self._scale_row_key = key
+        scale = self._scale(device)
+        if getattr(self, "_scale_row_of", None) is not scale:
+            self._scale_row_value = scale.reshape(1, 1).expand(1, self.out_features).clone()
+            self._scale_row_of = scale
         return self._scale_row_value
 
     def _fp8(self, x, gelu_input=False, x_fp8=None):
-        if self.weight_function:  # a LoRA on a layer left on the host: bf16 GEMM
-            return F.linear(gelu_tanh(x) if gelu_input else x, *self._patched(x))
-        weight, bias = self._weights(x, FP8, x.dtype)
         scale = self._scale_row(x.device)
+        if self.weight_function:  # a LoRA on a layer left on the host: patched, requantized
+            weight, bias = self._patched(x, torch.float32)
+            weight = weight.div_(scale[:, :1]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        else:
+            weight, bias = self._weights(x, FP8, x.dtype)
         if _gemv_sized(x):  # the modulation linears
             return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
         return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)

@@ -20,14 +20,15 @@ def narrow_sd():
     return load_file(str(models.qwen_dit_narrow_file()))
 
 
-def _model(sd, weight_dtype, lora=False):
-    """(patcher with fused blocks, the same with streaming, its streamer)."""
+def _model(sd, weight_dtype, lora=None, device=None):
+    """(patcher with fused blocks and `lora`, the same with streaming, its streamer), loading
+    onto `device` where given (ComfyUI runs on the CPU in tests)."""
     patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weight_dtype)
     qwen_loader.add_fused_blocks(patcher)
-    if lora:
-        patcher, _ = comfy.sd.load_lora_for_models(
-            patcher, None, load_file(str(models.narrow_lora_file())), 1.0, 0
-        )
+    if device is not None:
+        patcher.load_device = device
+    if lora is not None:
+        patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
     streaming = patcher.clone()
     return patcher, streaming, qwen_loader.stream_offloaded_weights(streaming)
 
@@ -37,9 +38,10 @@ def _sync(x):
         torch.cuda.synchronize()
 
 
-def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1):
+def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1, resident=False):
     """(output, seconds of the last of `repeats` forwards) with every layer left on the host
-    (ComfyUI's lowvram marks), as a sampler runs it under inference_mode."""
+    (ComfyUI's lowvram marks; with `resident`, none), as a sampler runs it under
+    inference_mode."""
     cfg = qwen_dit.read_config(patcher.model.diffusion_model.state_dict())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, cfg.out_channels, 1, *size, generator=g)
@@ -47,10 +49,10 @@ def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1):
     x, ctx, t = (v.to(patcher.load_device) for v in (x, ctx, torch.tensor([0.6])))
     opts = dict(patcher.model_options.get("transformer_options", {}))
     with torch.inference_mode():
-        patcher.patch_model(patcher.load_device, lowvram_model_memory=1)
+        patcher.patch_model(patcher.load_device, lowvram_model_memory=0 if resident else 1)
         try:
             layers = [m for m in patcher.model.modules() if hasattr(m, "staged")]
-            assert layers and all(weight_streaming.offloaded(m) for m in layers)
+            assert layers and all(weight_streaming.offloaded(m) != resident for m in layers)
             for _ in range(repeats):
                 _sync(x)
                 start = time.perf_counter()
@@ -66,6 +68,7 @@ def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1):
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_streamed_weights_give_comfyui_copies_result(narrow_sd, weight_dtype, lora):
+    lora = load_file(str(models.narrow_lora_file())) if lora else None
     plain, streaming, streamer = _model(narrow_sd, weight_dtype, lora)
     want = _partly_loaded_forward(plain)[0]
     got = _partly_loaded_forward(streaming)[0]
@@ -112,19 +115,31 @@ def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_streaming_full_width_on_gpu():
+@pytest.mark.parametrize("lora", [False, True])
+def test_streaming_full_width_on_gpu(lora):
     """Six full-width blocks in fp8_fast with every layer on the host, 1328² (83² tokens and
     256 text tokens): streaming gives ComfyUI's per-layer copies' result bit for bit, in less
-    time (second forwards: the first pins or compiles)."""
+    time (second forwards: the first pins or compiles). A LoRA on the host's layers, applied
+    per call and requantized for the fp8 GEMM, lands as close to the loaded model's as the
+    loaded model's own requantization allows."""
     from qwen_turbo.runtime import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
-    plain, streaming, streamer = _model(sd, "fp8_e4m3fn_fast")
-    for patcher in (plain, streaming):  # the test host runs ComfyUI on the CPU
-        patcher.load_device = torch.device("cuda")
+    cuda = torch.device("cuda")
+    plain, streaming, streamer = _model(
+        sd, "fp8_e4m3fn_fast", bench.random_lora(sd) if lora else None, cuda
+    )
+    streamer.mirror = True  # ComfyUI on the CPU pins nothing
     want, slow = _partly_loaded_forward(plain, (166, 166), 256, repeats=2)
     got, fast = _partly_loaded_forward(streaming, (166, 166), 256, repeats=2)
     assert torch.equal(got, want)
     assert streamer.copies == 2 * len(streamer.layers)
-    print(f"ComfyUI's copies {slow * 1e3:.1f} ms, streamed {fast * 1e3:.1f} ms")
+    print(f"LoRA {lora}: ComfyUI's copies {slow * 1e3:.1f} ms, streamed {fast * 1e3:.1f} ms")
     assert fast < slow
+    if lora:
+        loaded = _partly_loaded_forward(plain, (166, 166), 256, resident=True)[0]
+        without = _model(sd, "fp8_e4m3fn_fast", device=cuda)[0]
+        without = _partly_loaded_forward(without, (166, 166), 256)[0]
+        rel, rel_without = (((o - loaded).norm() / loaded.norm()).item() for o in (got, without))
+        print(f"rel. L2 to the loaded model: {rel:.2e}, without the LoRA {rel_without:.2e}")
+        assert rel < 3e-2 and rel < rel_without / 4
