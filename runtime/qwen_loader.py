@@ -110,8 +110,8 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     inference tensor"), as a test shows.
     """
 
-    # (weight, bias) as stored, copied to the compute device ahead of the call by
-    # weight_streaming while this layer is offloaded; None otherwise.
+    # (weight, bias, LoRA patches or None) as stored, copied to the compute device ahead of
+    # the call by weight_streaming while this layer is offloaded; None otherwise.
     staged = None
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
@@ -143,14 +143,15 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         (v0.33's cast_bias_weight runs them on the fp8 or the unscaled weight: a failed or a
         wrong LoRA)."""
         # fp8 bytes cross to the GPU, then widen there (a cast in the copy runs on the CPU)
-        weight, bias = self.staged or (self.weight, self.bias)
+        weight, bias, staged = self.staged or (self.weight, self.bias, None)
         weight = self.convert_weight(weight.to(x.device).float())
-        for patch in self.weight_function:
+        for n, patch in enumerate(self.weight_function):
             key, patches = getattr(patch, "key", None), getattr(patch, "patches", None)
             if key is None or patches is None:  # not a LoRA patch: it takes the weight itself
                 weight = patch(weight)
             else:
-                weight = comfy.lora.calculate_weight(patches[key], weight, key)
+                patches = staged[n] if staged else patches[key]
+                weight = comfy.lora.calculate_weight(patches, weight, key)
         bias = None if bias is None else bias.to(x.device, x.dtype)
         for patch in self.bias_function if bias is not None else ():
             bias = patch(bias)
@@ -161,7 +162,7 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         (which also runs any patch functions)."""
         if self.staged is None or self.weight_function or self.bias_function:
             return comfy.ops.cast_bias_weight(self, x, dtype=dtype, bias_dtype=bias_dtype)
-        weight, bias = self.staged
+        weight, bias, _ = self.staged
         return weight.to(dtype), None if bias is None else bias.to(bias_dtype)
 
     def forward_comfy_cast_weights(self, input):

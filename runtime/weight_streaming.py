@@ -12,6 +12,7 @@ Where the next block's copy would not fit in free memory, or runs out of it, tha
 layers take ComfyUI's own per-layer copies: slower, never a failure.
 """
 
+import copy
 import logging
 from collections.abc import Callable
 
@@ -31,9 +32,47 @@ def room(device: torch.device) -> float:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def to_device(obj, device: torch.device):
+    """`obj` with its tensors copied to `device`, non-blocking: tensors in tuples and lists,
+    and in objects holding `weights` (ComfyUI's LoRA weight adapters)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if type(obj) in (tuple, list):
+        return type(obj)(to_device(v, device) for v in obj)
+    if hasattr(obj, "weights"):
+        moved = copy.copy(obj)
+        moved.weights = to_device(obj.weights, device)
+        return moved
+    return obj
+
+
+def lora_patches(layer, device: torch.device) -> list | None:
+    """The layer's lowvram LoRA patches (`weight_function` entries holding `key` and
+    `patches`, as ComfyUI's LowVramPatch does) on `device`, in order; None where it has
+    none. ComfyUI leaves them on the host, so each call would copy them, waiting for the GPU."""
+    if not layer.weight_function:
+        return None
+    return [
+        to_device(p.patches[p.key], device) if hasattr(p, "key") and hasattr(p, "patches")
+        else None
+        for p in layer.weight_function
+    ]  # fmt: skip
+
+
 def offloaded(module: torch.nn.Module) -> bool:
     """Whether ComfyUI's partial load left this module's weights on the offload device."""
     return hasattr(module, "prev_comfy_cast_weights")
+
+
+def _tensors(obj):
+    """The tensors in what `to_device` returns."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif type(obj) in (tuple, list):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "weights"):
+        yield from _tensors(obj.weights)
 
 
 class BlockStreamer:
@@ -69,8 +108,8 @@ class BlockStreamer:
         return pinned
 
     def _stage(self, i: int, device: torch.device) -> list:
-        """(layer, its weight, weight and bias on `device`) for block i's offloaded layers,
-        copied on the current stream; [] where they do not fit."""
+        """(layer, its weight, (weight, bias, LoRA patches) on `device`) for block i's
+        offloaded layers, copied on the current stream; [] where they do not fit."""
         layers = [m for m in self.layers[i] if offloaded(m)]
         if not layers:
             return []
@@ -79,8 +118,9 @@ class BlockStreamer:
             return []
         try:
             return [
-                (m, m.weight, w.to(device, non_blocking=True),
-                 None if b is None else b.to(device, non_blocking=True))
+                (m, m.weight, (w.to(device, non_blocking=True),
+                               None if b is None else b.to(device, non_blocking=True),
+                               lora_patches(m, device)))
                 for m, w, b in sources
             ]  # fmt: skip
         except torch.OutOfMemoryError:
@@ -108,10 +148,9 @@ class BlockStreamer:
         if event is not None:
             current = torch.cuda.current_stream(device)
             current.wait_event(event)
-            for _, _, w, b in staged:  # made on the copy stream, freed after use on this one
-                w.record_stream(current)
-                if b is not None:
-                    b.record_stream(current)
+            for *_, tensors in staged:  # made on the copy stream, freed after use on this one
+                for t in _tensors(tensors):
+                    t.record_stream(current)
         return staged
 
     def forward(self, i: int, inner: Callable) -> Callable:
@@ -138,8 +177,8 @@ class BlockStreamer:
                 log_once(log, logging.INFO, "weight streaming: offloaded weights copied ahead")
             self.copies += bool(staged)
             try:
-                for m, _, w, b in staged:
-                    m.staged = (w, b)
+                for m, _, tensors in staged:
+                    m.staged = tensors
                 return inner(hidden_states, *args, **kwargs)
             except BaseException:
                 self.ahead.clear()  # an interrupted call leaves no copies behind
