@@ -132,7 +132,8 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
         copy from the host on every call would wait for the GPU to finish its queue."""
         key = (self.scale_weight.data_ptr(), device)
         if getattr(self, "_scale_key", None) != key:
-            self._scale_value = self.scale_weight.to(device=device, dtype=torch.float32)
+            # detached: `to` may return the Parameter itself, which would register here
+            self._scale_value = self.scale_weight.detach().to(device=device, dtype=torch.float32)
             self._scale_key = key
         return self._scale_value
 

@@ -392,6 +392,17 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
     mm.unload_all_models()
 
 
+def test_fp8_scale_copies_stay_out_of_the_state_dict(narrow_sd):
+    """The scale copied per device is a cache, not a parameter: the state dict keeps its
+    keys, and a second device replaces the first device's copy."""
+    model = qwen_loader.build(dict(narrow_sd), qwen_dit.read_config(narrow_sd), "fp8_e4m3fn")
+    keys = set(model.model.state_dict())
+    layer = next(m for m in model.model.modules() if isinstance(m, qwen_loader.Fp8Linear))
+    for device in ("cpu", "meta", "cpu"):
+        assert layer._scale(torch.device(device)).device.type == device
+    assert set(model.model.state_dict()) == keys
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left
