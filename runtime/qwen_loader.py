@@ -334,9 +334,9 @@ def add_fused_blocks(patcher) -> None:
 def stream_offloaded_weights(patcher) -> weight_streaming.BlockStreamer:
     """Object patches: each block's forward (fused or not) copies the next block's offloaded
     fp8 weights ahead (weight_streaming), where ComfyUI's partial load leaves some on the
-    host. Hosts that pin offloaded weights themselves (v0.33) are not mirrored."""
+    host."""
     blocks = patcher.model.diffusion_model.transformer_blocks
-    streamer = weight_streaming.BlockStreamer(blocks, mirror=not hasattr(mm, "pin_memory"))
+    streamer = weight_streaming.BlockStreamer(blocks)
     for i, block in enumerate(blocks):
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
         inner = patcher.object_patches.get(key, block.forward)

@@ -5,8 +5,9 @@ ComfyUI's partial load ("lowvram") leaves the modules that do not fit on the off
 marks them (`prev_comfy_cast_weights`); its ops then copy each weight when its layer runs, on
 the compute stream, so the GPU waits for every copy. Here a layer that can take a copy made
 ahead (`staged`, the pack's fp8 Linear) gets it from a copy stream that runs one block ahead.
-Copies overlap compute only from page-locked memory: hosts that pin offloaded weights (ComfyUI
-v0.33) are used as they are; on hosts that do not, `mirror` keeps a pinned copy per weight.
+Copies overlap compute only from page-locked memory: weights the host pinned (ComfyUI v0.33
+pins what its partial load offloads) are used as they are; others (v0.3.64, and what v0.33's
+partial unload moves to the host) get a pinned copy, kept while the layer stays offloaded.
 
 Where the next block's copy would not fit in free memory, or runs out of it, that block's
 layers take ComfyUI's own per-layer copies: slower, never a failure.
@@ -83,12 +84,13 @@ class BlockStreamer:
     block it is for has run, so nothing stays on the GPU between model calls.
     """
 
-    def __init__(self, blocks, mirror: bool):
+    def __init__(self, blocks):
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
-        self.mirror = mirror
+        self.mirror = True  # pinned copies of pageable weights; off once pinning fails
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies = 0  # blocks staged, for tests and the log
+        self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
 
     def _source(self, layer, name: str) -> torch.Tensor | None:
         """The layer's tensor `name`, page-locked where this host leaves it pageable."""
@@ -115,7 +117,7 @@ class BlockStreamer:
             return []
         sources = [(m, self._source(m, "weight"), self._source(m, "bias")) for m in layers]
         if sum(t.nbytes for _, w, b in sources for t in (w, b) if t is not None) > room(device):
-            return []
+            return self._left_to_comfyui()
         try:
             return [
                 (m, m.weight, (w.to(device, non_blocking=True),
@@ -124,7 +126,13 @@ class BlockStreamer:
                 for m, w, b in sources
             ]  # fmt: skip
         except torch.OutOfMemoryError:
-            return []
+            return self._left_to_comfyui()
+
+    def _left_to_comfyui(self) -> list:
+        self.no_room += 1
+        log_once(log, logging.INFO, "weight streaming: no room for a block's copies; "
+                 "ComfyUI copies those layers itself")  # fmt: skip
+        return []
 
     def _prefetch(self, i: int, device: torch.device) -> None:
         """Start block i's copies on the copy stream."""

@@ -81,16 +81,15 @@ def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch):
     plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
     monkeypatch.setattr(weight_streaming, "room", lambda device: 0)
     assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
-    assert streamer.copies == 0
+    assert streamer.copies == 0 and streamer.no_room == len(streamer.layers)
 
 
 def test_host_memory_that_cannot_be_pinned_is_copied_as_it_is(narrow_sd, caplog, monkeypatch):
-    """mirror=True on this host: CPU-only torch cannot pin memory, so streaming logs once
-    and copies from pageable memory."""
+    """CPU-only torch cannot pin memory: streaming logs it once and copies from pageable
+    memory."""
     plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
     if torch.cuda.is_available():
         pytest.skip("pinning works here")
-    streamer.mirror = True
     monkeypatch.setattr(runtime, "_logged", set())  # log_once may have said it already
     assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
     assert not streamer.mirror and streamer.copies == len(streamer.layers)
@@ -129,7 +128,6 @@ def test_streaming_full_width_on_gpu(lora):
     plain, streaming, streamer = _model(
         sd, "fp8_e4m3fn_fast", bench.random_lora(sd) if lora else None, cuda
     )
-    streamer.mirror = True  # ComfyUI on the CPU pins nothing
     want, slow = _partly_loaded_forward(plain, (166, 166), 256, repeats=2)
     got, fast = _partly_loaded_forward(streaming, (166, 166), 256, repeats=2)
     assert torch.equal(got, want)
