@@ -98,6 +98,8 @@ def main():
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--lora", action="store_true", help="a random rank-64 LoRA on every block")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--unload-gib", type=float, default=0,
+                   help="then ask ComfyUI for this much room, as a decode does; rerun")  # fmt: skip
     a = p.parse_args()
     setup_comfy()
     import comfy.model_management as mm
@@ -122,6 +124,14 @@ def main():
             rows.append({"card_gib": card or None, "free_gib": round(free, 1),
                          "variant": variant, **r, "rel_l2": bench.rel_l2(out, ref)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
+            if a.unload_gib:
+                device = mm.get_torch_device()
+                mm.free_memory(mm.get_free_memory(device) + a.unload_gib * GiB, device)
+                r = measure(patcher, a.size, a.repeats)
+                err = bench.rel_l2(r.pop("out"), ref)
+                rows.append({**rows[-1], **r, "variant": variant + ", after an unload",
+                             "rel_l2": err})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
             del patcher, out
             mm.unload_all_models()
             gc.collect()
@@ -134,9 +144,9 @@ def main():
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}, "
           f"{a.layers} layers, {a.size}², LoRA {'on' if a.lora else 'off'}")  # fmt: skip
     head = ("card", "variant", "on GPU", "load s", "first ms", "ms", "peak", "rel L2")
-    print("{:>6} {:20} {:>7} {:>7} {:>9} {:>8} {:>6} {:>8}".format(*head))
+    print("{:>6} {:34} {:>7} {:>7} {:>9} {:>8} {:>6} {:>8}".format(*head))
     for r in rows:
-        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:20} {r['resident_gib']:6.1f}G "
+        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:34} {r['resident_gib']:6.1f}G "
               f"{r['load_s']:7.2f} {r['first_ms']:9.1f} {r['ms']:8.1f} {r['peak_gib']:5.1f}G "
               f"{r['rel_l2']:8.1e}")  # fmt: skip
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
