@@ -60,10 +60,11 @@ def graph_status(before: cuda_graphs.Stats, after: cuda_graphs.Stats) -> str:
     return "; ".join(filter(None, [", ".join(parts), *reasons]))
 
 
-def with_skip_report(model, skipped: list):
-    """A clone of `model` that appends to `skipped`, after sampling, what a step-caching node
-    (EasyCache, LazyCache: their holder in transformer_options) skipped: 'EasyCache skipped 3
-    of 20 steps'. Its OUTER_SAMPLE wrapper sits inside theirs, where their per-run copy is."""
+def add_skip_report(model, skipped: list) -> None:
+    """Make `model` (a clone of the node's input) append to `skipped`, after sampling, what a
+    step-caching node (EasyCache, LazyCache: their holder in transformer_options) skipped:
+    'EasyCache skipped 3 of 20 steps'. Its OUTER_SAMPLE wrapper sits inside theirs, where
+    their per-run copy is."""
 
     def report(executor, *args, **kwargs):
         try:
@@ -75,9 +76,7 @@ def with_skip_report(model, skipped: list):
                 steps = len(args[3]) - 1  # the sigmas
                 skipped.append(f"{name} skipped {holder.total_steps_skipped} of {steps} steps")
 
-    model = model.clone()
     model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, report)
-    return model
 
 
 def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
@@ -85,7 +84,8 @@ def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     run's graph status for the badge."""
     before = cuda_graphs.run_stats(model.model)
     skipped = []
-    model = with_skip_report(with_cuda_graphs(model, backend, whole_step), skipped)
+    model = with_cuda_graphs(model, backend, whole_step)  # one clone: each copies the options
+    add_skip_report(model, skipped)
     latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]
     status = graph_status(before, cuda_graphs.run_stats(model.model))
     return latent, "; ".join(filter(None, [status, *skipped]))
