@@ -6,8 +6,8 @@ marks them (`prev_comfy_cast_weights`); its ops then copy each weight when its l
 the compute stream, so the GPU waits for every copy. Here a layer that can take a copy made
 ahead (`staged`, the pack's fp8 Linear) gets it from a copy stream that runs one block ahead.
 Copies overlap compute only from page-locked memory: weights the host pinned (ComfyUI v0.33
-pins what its partial load offloads) are used as they are; others (v0.3.64, and what v0.33's
-partial unload moves to the host) get a pinned copy, kept while the layer stays offloaded.
+pins what it offloads, up to its limit) are used as they are; others (v0.3.64, or past v0.33's
+limit) get a pinned copy, kept while the layer stays offloaded.
 
 Where the next block's copy would not fit in free memory, or runs out of it, that block's
 layers take ComfyUI's own per-layer copies: slower, never a failure.
