@@ -70,8 +70,7 @@ def write_models(root: Path, api: dict) -> None:
                 sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
                 sd = to_fp8mixed(qwen_dit.to_scaled_fp8(sd))
             else:
-                fp8 = torch.float8_e4m3fn
-                sd = {k: (t.to(fp8) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+                sd = bench.repackaged_fp8(sd)
             dit.parent.mkdir(parents=True, exist_ok=True)
             save_file({k: t.cpu() for k, t in sd.items()}, str(dit))
         del sd

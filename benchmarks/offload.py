@@ -36,7 +36,7 @@ def fp8_file_state_dict(layers: int) -> dict:
     from qwen_turbo.runtime import bench
 
     sd = bench.qwen_dit_state_dict(layers, "cuda")
-    out = {k: (t.to(torch.float8_e4m3fn) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+    out = bench.repackaged_fp8(sd)
     del sd
     torch.cuda.empty_cache()
     return out

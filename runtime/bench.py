@@ -37,6 +37,12 @@ def qwen_dit_state_dict(layers: int, device: str, dtype=torch.bfloat16, **config
     return random_state_dict(m, seed=0, dtype=dtype, device=device)
 
 
+def repackaged_fp8(sd: dict) -> dict:
+    """`sd` in the layout of Comfy-Org's repackaged fp8_e4m3fn files, on the host: every
+    matrix in float8_e4m3fn, vectors as they are."""
+    return {k: (t.to(torch.float8_e4m3fn) if t.ndim > 1 else t).cpu() for k, t in sd.items()}
+
+
 def random_lora(sd: dict, rank: int = 64) -> dict:
     """A LoRA (bf16, ComfyUI's lora_up/lora_down names) on every linear of the DiT's blocks,
     as the Lightning LoRA is."""

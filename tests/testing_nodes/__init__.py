@@ -9,6 +9,15 @@ from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
 
+def _text_inputs() -> list:
+    """seed, tokens, width: the random text embeddings both test nodes make."""
+    return [
+        io.Int.Input("seed", default=0, min=0, max=2**31 - 1),
+        io.Int.Input("tokens", default=8, min=1, max=1024),
+        io.Int.Input("width", default=3584, min=1, max=8192),
+    ]
+
+
 class TestConditioning(io.ComfyNode):
     """Stands in for the 7B text encoder: seeded random Qwen-Image text embeddings."""
 
@@ -19,9 +28,7 @@ class TestConditioning(io.ComfyNode):
             display_name="Test Conditioning (Qwen Turbo tests)",
             category="QwenTurbo/testing",
             inputs=[
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1),
-                io.Int.Input("tokens", default=8, min=1, max=1024),
-                io.Int.Input("width", default=3584, min=1, max=8192),
+                *_text_inputs(),
             ],
             outputs=[io.Conditioning.Output()],
         )
@@ -46,9 +53,7 @@ class TestEditConditioning(io.ComfyNode):
             display_name="Test Edit Conditioning (Qwen Turbo tests)",
             category="QwenTurbo/testing",
             inputs=[
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1),
-                io.Int.Input("tokens", default=8, min=1, max=1024),
-                io.Int.Input("width", default=3584, min=1, max=8192),
+                *_text_inputs(),
                 io.Int.Input("vision_tokens", default=196, min=0, max=4096, tooltip="per picture"),
                 io.Int.Input(
                     "reference_side",
