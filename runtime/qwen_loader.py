@@ -128,8 +128,8 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
                 missing.append(prefix + name)
 
     def _scale(self, device) -> torch.Tensor:
-        """scale_weight in float32 on `device`, copied once per scale tensor and device: a
-        copy from the host on every call would wait for the GPU to finish its queue."""
+        """scale_weight in float32 on `device`, copied once per scale tensor and device
+        rather than from the host on every call."""
         key = (self.scale_weight.data_ptr(), device)
         if getattr(self, "_scale_key", None) != key:
             # detached: `to` may return the Parameter itself, which would register here

@@ -50,7 +50,8 @@ def to_device(obj, device: torch.device):
 def lora_patches(layer, device: torch.device) -> list | None:
     """The layer's lowvram LoRA patches (`weight_function` entries holding `key` and
     `patches`, as ComfyUI's LowVramPatch does) on `device`, in order; None where it has
-    none. ComfyUI leaves them on the host, so each call would copy them, waiting for the GPU."""
+    none. ComfyUI leaves them on the host, so each call would copy them on the compute
+    stream."""
     if not layer.weight_function:
         return None
     return [
