@@ -177,6 +177,7 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     t0 = time.perf_counter()
     outputs = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
     executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
@@ -191,6 +192,9 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         "ok": executor.success, "error": server.error, "seconds": round(total, 2),
         "nodes": by_kind,
         "peak_gib": round((torch.cuda.max_memory_allocated() - filler_bytes) / GiB, 2)
+        if cuda else None,
+        # the allocator freed its cache and retried (synchronizing): memory ran short
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         if cuda else None,
     }  # fmt: skip
 

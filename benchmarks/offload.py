@@ -67,6 +67,7 @@ def measure(patcher, size: int, repeats: int) -> dict:
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     t0 = time.perf_counter()
     with torch.inference_mode():
         _, conds, models = comfy.sampler_helpers.prepare_sampling(
@@ -86,6 +87,7 @@ def measure(patcher, size: int, repeats: int) -> dict:
         "load_s": round(load_s, 2), "first_ms": round(first_ms, 1), "ms": round(ms, 1),
         "resident_gib": round(on_gpu / GiB, 2), "lowvram": bool(patcher.model.model_lowvram),
         "peak_gib": round((torch.cuda.max_memory_allocated() - base) / GiB, 2),
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
         "out": out.float(),
     }  # fmt: skip
 

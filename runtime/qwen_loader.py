@@ -313,6 +313,10 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
     model.load_model_weights(sd, "")
+    if getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False):
+        log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
+                 "model loads through ComfyUI's standard partial loading, whose offloaded "
+                 "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
     patcher = comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher

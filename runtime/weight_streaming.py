@@ -6,8 +6,9 @@ marks them (`prev_comfy_cast_weights`); its ops then copy each weight when its l
 the compute stream, so the GPU waits for every copy. Here a layer that can take a copy made
 ahead (`staged`, the pack's fp8 Linear) gets it from a copy stream that runs one block ahead.
 Copies overlap compute only from page-locked memory: weights the host pinned (ComfyUI v0.33
-pins what it offloads, up to its limit) are used as they are; others (v0.3.64, or past v0.33's
-limit) get a pinned copy, kept while the layer stays offloaded.
+pins what it offloads, up to its limit) are used as they are; others (v0.3.64, past v0.33's
+limit, and the LoRA factors everywhere) get a pinned copy, kept while the layer stays offloaded
+and the tensor is the same.
 
 Where the next block's copy would not fit in free memory, or runs out of it, that block's
 layers take ComfyUI's own per-layer copies: slower, never a failure.
@@ -33,21 +34,24 @@ def room(device: torch.device) -> float:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def to_device(obj, device: torch.device):
-    """`obj` with its tensors copied to `device`, non-blocking: tensors in tuples and lists,
-    and in objects holding `weights` (ComfyUI's LoRA weight adapters)."""
+def to_device(obj, device: torch.device, copies: list, source=lambda t: t):
+    """`obj` with its tensors replaced by new ones on `device`, allocated on the current
+    stream and not yet written: (new, source(tensor)) pairs go to `copies`. Tensors in tuples
+    and lists, and in objects holding `weights` (ComfyUI's LoRA weight adapters)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        new = torch.empty_like(obj, device=device)
+        copies.append((new, source(obj)))
+        return new
     if type(obj) in (tuple, list):
-        return type(obj)(to_device(v, device) for v in obj)
+        return type(obj)(to_device(v, device, copies, source) for v in obj)
     if hasattr(obj, "weights"):
         moved = copy.copy(obj)
-        moved.weights = to_device(obj.weights, device)
+        moved.weights = to_device(obj.weights, device, copies, source)
         return moved
     return obj
 
 
-def lora_patches(layer, device: torch.device) -> list | None:
+def lora_patches(layer, device: torch.device, copies: list, source=lambda t: t) -> list | None:
     """The layer's lowvram LoRA patches (`weight_function` entries holding `key` and
     `patches`, as ComfyUI's LowVramPatch does) on `device`, in order; None where it has
     none. ComfyUI leaves them on the host, so each call would copy them on the compute
@@ -55,8 +59,8 @@ def lora_patches(layer, device: torch.device) -> list | None:
     if not layer.weight_function:
         return None
     return [
-        to_device(p.patches[p.key], device) if hasattr(p, "key") and hasattr(p, "patches")
-        else None
+        to_device(p.patches[p.key], device, copies, source)
+        if hasattr(p, "key") and hasattr(p, "patches") else None
         for p in layer.weight_function
     ]  # fmt: skip
 
@@ -64,17 +68,6 @@ def lora_patches(layer, device: torch.device) -> list | None:
 def offloaded(module: torch.nn.Module) -> bool:
     """Whether ComfyUI's partial load left this module's weights on the offload device."""
     return hasattr(module, "prev_comfy_cast_weights")
-
-
-def _tensors(obj):
-    """The tensors in what `to_device` returns."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif type(obj) in (tuple, list):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "weights"):
-        yield from _tensors(obj.weights)
 
 
 class BlockStreamer:
@@ -93,58 +86,73 @@ class BlockStreamer:
         self.copies = 0  # blocks staged, for tests and the log
         self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
 
-    def _source(self, layer, name: str) -> torch.Tensor | None:
-        """The layer's tensor `name`, page-locked where this host leaves it pageable."""
-        t = getattr(layer, name)
-        if t is None or not self.mirror or t.device.type != "cpu" or t.is_pinned():
+    def _pinned(self, t: torch.Tensor, old: dict, new: dict) -> torch.Tensor:
+        """`t`, page-locked where this host left it pageable: a copy from pageable memory
+        blocks the host until the copy stream reaches it, so nothing runs ahead. The pinned
+        copy made for an earlier call (`old`, by id) serves while `t` is the same tensor;
+        what this call uses goes to `new`."""
+        if not self.mirror or t.device.type != "cpu" or t.is_pinned():
             return t
-        cached = getattr(layer, "_pinned", {}).get(name)
-        if cached is not None and cached[0] is t:
-            return cached[1]
-        try:
-            pinned = t.pin_memory()
-        except RuntimeError as e:  # out of page-locked memory: copy from pageable
-            log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
-            self.mirror = False
-            return t
-        layer._pinned = {**getattr(layer, "_pinned", {}), name: (t, pinned)}
-        return pinned
+        hit = old.get(id(t))
+        if hit is None or hit[0] is not t:
+            try:
+                hit = (t, t.pin_memory())
+            except RuntimeError as e:  # out of page-locked memory: copy from pageable
+                log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
+                self.mirror = False
+                return t
+        new[id(t)] = hit
+        return hit[1]
 
-    def _stage(self, i: int, device: torch.device) -> list:
-        """(layer, its weight, (weight, bias, LoRA patches) on `device`) for block i's
-        offloaded layers, copied on the current stream; [] where they do not fit."""
+    def _stage(self, i: int, device: torch.device) -> tuple[list, list]:
+        """([(layer, its weight, (weight, bias, LoRA patches) on `device`)], [(new,
+        source)]) for block i's offloaded layers: the tensors on `device` allocated on the
+        current stream, the copies still to make; ([], []) where they do not fit."""
         layers = [m for m in self.layers[i] if offloaded(m)]
         if not layers:
-            return []
-        sources = [(m, self._source(m, "weight"), self._source(m, "bias")) for m in layers]
-        if sum(t.nbytes for _, w, b in sources for t in (w, b) if t is not None) > room(device):
+            return [], []
+        size = sum(t.nbytes for m in layers for t in (m.weight, m.bias) if t is not None)
+        if size > room(device):
             return self._left_to_comfyui()
+        staged, copies = [], []
         try:
-            return [
-                (m, m.weight, (w.to(device, non_blocking=True),
-                               None if b is None else b.to(device, non_blocking=True),
-                               lora_patches(m, device)))
-                for m, w, b in sources
-            ]  # fmt: skip
+            for m in layers:
+                old, new = m.__dict__.get("_pinned", {}), {}
+
+                def source(t, old=old, new=new):
+                    return self._pinned(t, old, new)
+
+                tensors = tuple(to_device(t, device, copies, source) for t in (m.weight, m.bias))
+                staged.append((m, m.weight, (*tensors, lora_patches(m, device, copies, source))))
+                m._pinned = new
         except torch.OutOfMemoryError:
             return self._left_to_comfyui()
+        return staged, copies
 
-    def _left_to_comfyui(self) -> list:
+    def _left_to_comfyui(self) -> tuple[list, list]:
         self.no_room += 1
         log_once(log, logging.INFO, "weight streaming: no room for a block's copies; "
                  "ComfyUI copies those layers itself")  # fmt: skip
-        return []
+        return [], []
 
     def _prefetch(self, i: int, device: torch.device) -> None:
-        """Start block i's copies on the copy stream."""
-        if device.type != "cuda":
-            self.ahead[i] = (None, self._stage(i, device))
+        """Start block i's copies on the copy stream. Their memory comes from the compute
+        stream, as the activations' does: copies allocated on a stream of their own would
+        keep a cache of their own, which near the card's limit makes the allocator free and
+        retry (synchronizing the device) instead of reusing."""
+        staged, copies = self._stage(i, device)
+        if device.type != "cuda" or not copies:
+            for new, src in copies:
+                new.copy_(src)
+            self.ahead[i] = (None, staged)
             return
         stream = self.streams.get(device)
         if stream is None:
             stream = self.streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the memory is free to write
         with torch.cuda.stream(stream):
-            staged = self._stage(i, device)
+            for new, src in copies:
+                new.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         self.ahead[i] = (event, staged)
@@ -152,14 +160,10 @@ class BlockStreamer:
     def _take(self, i: int, device: torch.device) -> list:
         """Block i's staged weights, made ready for the current stream."""
         if i not in self.ahead:
-            return self._stage(i, device)
+            self._prefetch(i, device)
         event, staged = self.ahead.pop(i)
         if event is not None:
-            current = torch.cuda.current_stream(device)
-            current.wait_event(event)
-            for *_, tensors in staged:  # made on the copy stream, freed after use on this one
-                for t in _tensors(tensors):
-                    t.record_stream(current)
+            torch.cuda.current_stream(device).wait_event(event)
         return staged
 
     def forward(self, i: int, inner: Callable) -> Callable:

@@ -96,6 +96,28 @@ def test_host_memory_that_cannot_be_pinned_is_copied_as_it_is(narrow_sd, caplog,
     assert "host memory not pinned" in caplog.text
 
 
+def test_pageable_sources_are_pinned_once(narrow_sd, monkeypatch):
+    """Weights, biases and LoRA factors left pageable get one pinned copy each, reused by
+    later calls; nothing is pinned twice."""
+    pinned = []
+
+    def pin_memory(t):
+        pinned.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    lora = load_file(str(models.narrow_lora_file()))
+    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast", lora)
+    want = _partly_loaded_forward(plain)[0]
+    got = _partly_loaded_forward(streaming, repeats=2)[0]
+    assert torch.equal(got, want)
+    layers = [m for b in streamer.layers for m in b]
+    lora_factors = sum(len(m._pinned) - 1 - (m.bias is not None) for m in layers)
+    assert lora_factors == len(lora)  # each LoRA layer's up and down
+    assert len(pinned) == sum(len(m._pinned) for m in layers)  # none pinned twice
+    assert len({id(t) for t in pinned}) == len(pinned)
+
+
 def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
     """A copy made ahead for a layer whose weight was replaced since is not used."""
     _, _, streamer = _model(narrow_sd, "fp8_e4m3fn")
@@ -108,7 +130,7 @@ def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
     seen = {}
     streamer.forward(1, lambda x: seen.update({m: m.staged for m in layers}))(torch.zeros(1))
     assert seen[reloaded] is None
-    assert all(seen[m][0] is m.weight for m in layers[1:])  # a CPU "copy" is the tensor
+    assert all(torch.equal(seen[m][0], m.weight) for m in layers[1:])
     assert all(m.staged is None for m in layers)
 
 
