@@ -5,15 +5,17 @@ ComfyUI's partial load ("lowvram") leaves the modules that do not fit on the off
 marks them (`prev_comfy_cast_weights`); its ops then copy each weight when its layer runs, on
 the compute stream, so the GPU waits for every copy. Here a layer that can take a copy made
 ahead (`staged`, the pack's fp8 Linear) gets it from a copy stream that runs one block ahead.
-Copies overlap compute only from page-locked memory: weights the host pinned (ComfyUI v0.33
-pins what it offloads, up to its limit) are used as they are; others (v0.3.64, past v0.33's
-limit, and the LoRA factors everywhere) get a pinned copy, kept while the layer stays offloaded
-and the tensor is the same.
+Copies overlap compute only from page-locked memory (a copy from pageable memory also blocks
+the host, so nothing runs ahead): weights the host pinned (ComfyUI v0.33 pins what it offloads,
+up to its limit and not always) are used as they are; others (v0.3.64, and the LoRA factors
+everywhere) are page-locked where they lie (cudaHostRegister, as v0.33 pins: no copy, no second
+buffer), or where that fails get a pinned copy. Either is kept while the tensor stays the same.
 
 Where the next block's copy would not fit in free memory, or runs out of it, that block's
 layers take ComfyUI's own per-layer copies: slower, never a failure.
 """
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -70,6 +72,35 @@ def offloaded(module: torch.nn.Module) -> bool:
     return hasattr(module, "prev_comfy_cast_weights")
 
 
+REGISTER_MIN = 1 << 20  # smaller tensors may share pages with others: pinned copies
+
+
+class Registered:
+    """A host tensor page-locked where it lies, until this object goes (which must happen
+    before the tensor can be freed: it holds the tensor)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Registered | None":
+        """`t` registered, or None where the driver refuses (memory shared with another
+        registration, say)."""
+        if t.nbytes < REGISTER_MIN or not torch.cuda.is_available() or not t.is_contiguous():
+            return None
+        if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0) == 0:
+            return cls(t)
+        # the failed call left an error that the next kernel launch's check would raise
+        with contextlib.suppress(RuntimeError):
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+        return None
+
+    def __del__(self):
+        with contextlib.suppress(AttributeError, RuntimeError, TypeError):  # at shutdown
+            torch.cuda.cudart().cudaHostUnregister(self.t.data_ptr())
+
+
 class BlockStreamer:
     """Copies ahead the offloaded weights of a model's blocks, run in order.
 
@@ -87,22 +118,24 @@ class BlockStreamer:
         self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
 
     def _pinned(self, t: torch.Tensor, old: dict, new: dict) -> torch.Tensor:
-        """`t`, page-locked where this host left it pageable: a copy from pageable memory
-        blocks the host until the copy stream reaches it, so nothing runs ahead. The pinned
-        copy made for an earlier call (`old`, by id) serves while `t` is the same tensor;
-        what this call uses goes to `new`."""
-        if not self.mirror or t.device.type != "cpu" or t.is_pinned():
+        """`t`, page-locked where this host left it pageable: registered where it lies, else a
+        pinned copy. What an earlier call made (`old`, by id) serves while `t` is the same
+        tensor; what this call uses goes to `new`."""
+        if not self.mirror or t.device.type != "cpu":
             return t
         hit = old.get(id(t))
         if hit is None or hit[0] is not t:
+            if t.is_pinned():  # by the host
+                return t
+            registered = Registered.of(t)
             try:
-                hit = (t, t.pin_memory())
+                hit = (t, registered) if registered else (t, t.pin_memory())
             except RuntimeError as e:  # out of page-locked memory: copy from pageable
                 log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
                 self.mirror = False
                 return t
         new[id(t)] = hit
-        return hit[1]
+        return t if isinstance(hit[1], Registered) else hit[1]
 
     def _stage(self, i: int, device: torch.device) -> tuple[list, list]:
         """([(layer, its weight, (weight, bias, LoRA patches) on `device`)], [(new,

@@ -154,6 +154,11 @@ def test_streaming_full_width_on_gpu(lora):
     got, fast = _partly_loaded_forward(streaming, (166, 166), 256, repeats=2)
     assert torch.equal(got, want)
     assert streamer.copies == 2 * len(streamer.layers)
+    large = [hit for block in streamer.layers for m in block
+             for hit in getattr(m, "_pinned", {}).values()
+             if hit[0].nbytes >= weight_streaming.REGISTER_MIN]  # fmt: skip
+    assert all(isinstance(h[1], weight_streaming.Registered) for h in large)  # none copied
+    print(f"{len(large)} tensors page-locked in place")
     print(f"LoRA {lora}: ComfyUI's copies {slow * 1e3:.1f} ms, streamed {fast * 1e3:.1f} ms")
     assert fast < slow
     if lora:
