@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 import nodes as comfy_nodes
 
-from ..runtime import cuda_graphs, host
+from ..runtime import cuda_graphs, host, log_once
 from . import report
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,15 @@ def add_skip_report(model, skipped: list) -> None:
 def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     """common_ksampler(model, *args, **kwargs) through the graph runners: its latent and this
     run's graph status for the badge."""
-    before = cuda_graphs.run_stats(model.model)
     skipped = []
+    why = cuda_graphs.model_patches(model.model_options.get("transformer_options", {}))
+    if why is not None:  # every call eager: no runners, no per-call checks
+        log_once(log, logging.INFO, f"CUDA Graph Sampler: ran as KSampler: {why}")
+        model = model.clone()
+        add_skip_report(model, skipped)
+        latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]
+        return latent, "; ".join([f"ran as KSampler: {why}", *skipped])
+    before = cuda_graphs.run_stats(model.model)
     model = with_cuda_graphs(model, backend, whole_step)  # one clone: each copies the options
     add_skip_report(model, skipped)
     latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]

@@ -261,6 +261,13 @@ def own(obj) -> bool:
     return module.split(".")[0] == PACK
 
 
+def model_patches(options: dict) -> str | None:
+    """Why the model patches in transformer `options` (a ControlNet's block patches, say) keep
+    every call out of a graph: they run Python inside the transformer, at every level."""
+    patches = [*options.get("patches", {}), *options.get("patches_replace", {})]
+    return f"model patches ({', '.join(patches)}) run Python per step" if patches else None
+
+
 def foreign_code(options: dict, level: str, inner: list) -> str | None:
     """Why Python that a replay would skip runs inside a graph captured at `level`: a wrapper
     among `inner` (those inside the runner's own at `level`) or at a level below it, a model
@@ -274,9 +281,9 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
                 foreign = not own(fn) or getattr(fn, "runs_python_per_call", False)
                 if inside and key not in SAFE_WRAPPERS and foreign:
                     return f"{key!r} {lvl} wrapper runs Python per step"
-    patches = [*options.get("patches", {}), *options.get("patches_replace", {})]
-    if patches:
-        return f"model patches ({', '.join(patches)}) run Python per step"
+    why = model_patches(options)
+    if why is not None:
+        return why
     for key, value in options.items():
         if key not in ("wrappers", "callbacks") and callable(value) and not own(value):
             return f"transformer option {key!r} runs Python per step"

@@ -78,6 +78,8 @@ def diffsynth(model, height=48, width=64, dtype=torch.float32):
 
 def path_taken(status: str, whole_step: bool) -> str:
     """The badge text of a run ('captured 1, replayed 5, eager 2; reasons') as a path."""
+    if status.startswith("ran as KSampler"):
+        return EAGER
     counts = dict(p.rsplit(" ", 1) for p in status.split(";")[0].split(", ") if p)
     graphs = any(k in counts for k in ("captured", "replayed"))
     if "eager" in counts:
