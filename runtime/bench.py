@@ -1,6 +1,9 @@
 """Random full-size models and timing helpers for `python -m qwen_turbo bench` and the
 benchmarks (no downloads). Call after ComfyUI is importable."""
 
+import contextlib
+import sys
+
 import torch
 
 # A narrow Qwen-Image DiT (CPU demonstration, tests): 4 heads of 32, text width 64.
@@ -26,14 +29,30 @@ def random_state_dict(module: torch.nn.Module, seed: int, dtype=torch.float32, d
     return sd
 
 
+@contextlib.contextmanager
+def weights_at_construction():
+    """ComfyUI's layers made with their weights, whose shapes random_state_dict reads: with
+    dynamic VRAM on (v0.33), its Linear and Conv make a weight only when they load one."""
+    memory = sys.modules.get("comfy.memory_management")
+    lazy = getattr(memory, "aimdo_enabled", False)
+    if lazy:
+        memory.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        if lazy:
+            memory.aimdo_enabled = True
+
+
 def qwen_dit_state_dict(layers: int, device: str, dtype=torch.bfloat16, **config):
     """A random Qwen-Image DiT (full width unless `config` says otherwise), ComfyUI key names."""
     import comfy.ops
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
 
-    m = QwenImageTransformer2DModel(
-        num_layers=layers, device="meta", operations=comfy.ops.disable_weight_init, **config
-    )
+    with weights_at_construction():
+        m = QwenImageTransformer2DModel(
+            num_layers=layers, device="meta", operations=comfy.ops.disable_weight_init, **config
+        )
     return random_state_dict(m, seed=0, dtype=dtype, device=device)
 
 
@@ -61,7 +80,7 @@ def qwen_vae_module():
     """The Qwen-Image VAE: ComfyUI's Wan 2.1 VAE at full width (dim 96, z 16), on meta."""
     from comfy.ldm.wan.vae import WanVAE
 
-    with torch.device("meta"):
+    with torch.device("meta"), weights_at_construction():
         return WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                       attn_scales=[], temperal_downsample=[False, True, True])  # fmt: skip
 

@@ -73,6 +73,7 @@ def offloaded(module: torch.nn.Module) -> bool:
 
 
 REGISTER_MIN = 1 << 20  # smaller tensors may share pages with others: pinned copies
+READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 class Registered:
@@ -88,12 +89,13 @@ class Registered:
         registration, say)."""
         if t.nbytes < REGISTER_MIN or not torch.cuda.is_available() or not t.is_contiguous():
             return None
-        if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0) == 0:
-            return cls(t)
-        # the failed call left an error that the next kernel launch's check would raise
-        with contextlib.suppress(RuntimeError):
-            torch.zeros(1, device="cuda").add_(1)
-            torch.cuda.synchronize()
+        for flags in (0, READ_ONLY):  # a file mapping (v0.33's dynamic VRAM loads so) is read-only
+            if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags) == 0:
+                return cls(t)
+            # the failed call left an error that the next kernel launch's check would raise
+            with contextlib.suppress(RuntimeError):
+                torch.zeros(1, device="cuda").add_(1)
+                torch.cuda.synchronize()
         return None
 
     def __del__(self):
@@ -128,6 +130,9 @@ class BlockStreamer:
             if t.is_pinned():  # by the host
                 return t
             registered = Registered.of(t)
+            if registered is None and t.nbytes >= REGISTER_MIN:
+                log_once(log, logging.INFO, "weight streaming: host weights that cannot be "
+                         "page-locked where they lie get pinned copies")  # fmt: skip
             try:
                 hit = (t, registered) if registered else (t, t.pin_memory())
             except RuntimeError as e:  # out of page-locked memory: copy from pageable

@@ -207,3 +207,18 @@ def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
         "qwen_image_edit_2509_2512px": "index",
         "qwen_image_edit_2511_2512px": "index_timestep_zero",
     }
+
+
+def test_random_models_have_every_weight_with_dynamic_vram(monkeypatch):
+    """With dynamic VRAM on (v0.33's main.py), ComfyUI's Linear and Conv make their weights
+    only when they load one; the random models the benchmarks write still have them all."""
+    from qwen_turbo.runtime import bench
+
+    memory = pytest.importorskip("comfy.memory_management", reason="no dynamic VRAM here")
+    want = (bench.qwen_dit_state_dict(1, "cpu", **bench.NARROW).keys(),
+            bench.random_state_dict(bench.qwen_vae_module(), 0).keys())  # fmt: skip
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    got = (bench.qwen_dit_state_dict(1, "cpu", **bench.NARROW).keys(),
+           bench.random_state_dict(bench.qwen_vae_module(), 0).keys())  # fmt: skip
+    assert got == want and "img_in.weight" in got[0]
+    assert memory.aimdo_enabled  # set back
