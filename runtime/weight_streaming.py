@@ -73,7 +73,6 @@ def offloaded(module: torch.nn.Module) -> bool:
 
 
 REGISTER_MIN = 1 << 20  # smaller tensors may share pages with others: pinned copies
-READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 class Registered:
@@ -89,13 +88,12 @@ class Registered:
         registration, say)."""
         if t.nbytes < REGISTER_MIN or not torch.cuda.is_available() or not t.is_contiguous():
             return None
-        for flags in (0, READ_ONLY):  # a file mapping (v0.33's dynamic VRAM loads so) is read-only
-            if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags) == 0:
-                return cls(t)
-            # the failed call left an error that the next kernel launch's check would raise
-            with contextlib.suppress(RuntimeError):
-                torch.zeros(1, device="cuda").add_(1)
-                torch.cuda.synchronize()
+        if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0) == 0:
+            return cls(t)
+        # the failed call left an error that the next kernel launch's check would raise
+        with contextlib.suppress(RuntimeError):
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
         return None
 
     def __del__(self):
