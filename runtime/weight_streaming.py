@@ -111,7 +111,7 @@ class BlockStreamer:
 
     def __init__(self, blocks):
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
-        self.mirror = True  # pinned copies of pageable weights; off once pinning fails
+        self.mirror = True  # page-lock pageable sources; off once pinning fails
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies = 0  # blocks staged, for tests and the log
@@ -173,9 +173,9 @@ class BlockStreamer:
 
     def _prefetch(self, i: int, device: torch.device) -> None:
         """Start block i's copies on the copy stream. Their memory comes from the compute
-        stream, as the activations' does: copies allocated on a stream of their own would
-        keep a cache of their own, which near the card's limit makes the allocator free and
-        retry (synchronizing the device) instead of reusing."""
+        stream's pool, as the activations' does, so no second stream's cache holds memory
+        near the card's limit; the copy stream waits until the compute stream is done with
+        what that memory held before."""
         staged, copies = self._stage(i, device)
         if device.type != "cuda" or not copies:
             for new, src in copies:
@@ -193,6 +193,14 @@ class BlockStreamer:
             event.record(stream)
         self.ahead[i] = (event, staged)
 
+    def _drop_ahead(self) -> None:
+        """Forget the copies made ahead, once written: their memory goes back to the compute
+        stream's pool, which does not wait for the copy stream."""
+        for event, _ in self.ahead.values():
+            if event is not None:
+                event.synchronize()
+        self.ahead.clear()
+
     def _take(self, i: int, device: torch.device) -> list:
         """Block i's staged weights, made ready for the current stream."""
         if i not in self.ahead:
@@ -208,7 +216,7 @@ class BlockStreamer:
 
         def forward(hidden_states, *args, **kwargs):
             if i == 0:
-                self.ahead.clear()  # left by a call that did not run every block
+                self._drop_ahead()  # left by a call that did not run every block
             streamed = False
             for m in self.layers[i]:
                 if offloaded(m):
@@ -230,7 +238,7 @@ class BlockStreamer:
                     m.staged = tensors
                 return inner(hidden_states, *args, **kwargs)
             except BaseException:
-                self.ahead.clear()  # an interrupted call leaves no copies behind
+                self._drop_ahead()  # an interrupted call leaves no copies behind
                 raise
             finally:
                 for m, *_ in staged:

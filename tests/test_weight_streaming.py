@@ -118,6 +118,22 @@ def test_pageable_sources_are_pinned_once(narrow_sd, monkeypatch):
     assert len({id(t) for t in pinned}) == len(pinned)
 
 
+def test_an_interrupted_call_leaves_no_copies(narrow_sd):
+    """A block that raises (an interrupt, say) drops the copies made ahead for the next."""
+    _, _, streamer = _model(narrow_sd, "fp8_e4m3fn")
+    for m in (m for block in streamer.layers for m in block):
+        m.prev_comfy_cast_weights = True
+
+    def interrupted(x):
+        assert 1 in streamer.ahead  # block 1's copies were started
+        raise InterruptedError
+
+    with pytest.raises(InterruptedError):
+        streamer.forward(0, interrupted)(torch.zeros(1))
+    assert not streamer.ahead
+    assert all(m.staged is None for block in streamer.layers for m in block)
+
+
 def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
     """A copy made ahead for a layer whose weight was replaced since is not used."""
     _, _, streamer = _model(narrow_sd, "fp8_e4m3fn")
