@@ -36,7 +36,7 @@ def room(device: torch.device) -> float:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def to_device(obj, device: torch.device, copies: list, source=lambda t: t):
+def to_device(obj, device: torch.device, copies: list, source: Callable):
     """`obj` with its tensors replaced by new ones on `device`, allocated on the current
     stream and not yet written: (new, source(tensor)) pairs go to `copies`. Tensors in tuples
     and lists, and in objects holding `weights` (ComfyUI's LoRA weight adapters)."""
@@ -53,7 +53,7 @@ def to_device(obj, device: torch.device, copies: list, source=lambda t: t):
     return obj
 
 
-def lora_patches(layer, device: torch.device, copies: list, source=lambda t: t) -> list | None:
+def lora_patches(layer, device: torch.device, copies: list, source: Callable) -> list | None:
     """The layer's lowvram LoRA patches (`weight_function` entries holding `key` and
     `patches`, as ComfyUI's LowVramPatch does) on `device`, in order; None where it has
     none. ComfyUI leaves them on the host, so each call would copy them on the compute
@@ -111,7 +111,7 @@ class BlockStreamer:
 
     def __init__(self, blocks):
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
-        self.mirror = True  # page-lock pageable sources; off once pinning fails
+        self.page_lock = True  # page-lock pageable sources; off once pinning fails
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies = 0  # blocks staged, for tests and the log
@@ -121,7 +121,7 @@ class BlockStreamer:
         """`t`, page-locked where this host left it pageable: registered where it lies, else a
         pinned copy. What an earlier call made (`old`, by id) serves while `t` is the same
         tensor; what this call uses goes to `new`."""
-        if not self.mirror or t.device.type != "cpu":
+        if not self.page_lock or t.device.type != "cpu":
             return t
         hit = old.get(id(t))
         if hit is None or hit[0] is not t:
@@ -135,7 +135,7 @@ class BlockStreamer:
                 hit = (t, registered) if registered else (t, t.pin_memory())
             except RuntimeError as e:  # out of page-locked memory: copy from pageable
                 log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
-                self.mirror = False
+                self.page_lock = False
                 return t
         new[id(t)] = hit
         return t if isinstance(hit[1], Registered) else hit[1]

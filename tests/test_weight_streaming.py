@@ -92,7 +92,7 @@ def test_host_memory_that_cannot_be_pinned_is_copied_as_it_is(narrow_sd, caplog,
         pytest.skip("pinning works here")
     monkeypatch.setattr(runtime, "_logged", set())  # log_once may have said it already
     assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
-    assert not streamer.mirror and streamer.copies == len(streamer.layers)
+    assert not streamer.page_lock and streamer.copies == len(streamer.layers)
     assert "host memory not pinned" in caplog.text
 
 
