@@ -121,8 +121,12 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     def _load_from_state_dict(
         self, sd, prefix, local_metadata, strict, missing, unexpected, errors
     ):
+        # v0.33's dynamic VRAM hands out views of its file mapping, which the driver cannot
+        # page-lock: ComfyUI's pinning of offloaded layers would fail (and sync) per weight
+        mapped = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
         for name in ("weight", "bias", "scale_weight"):
             if (t := sd.pop(prefix + name, None)) is not None:
+                t = t.clone() if mapped and t.device.type == "cpu" else t
                 setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
             elif name != "scale_weight" and getattr(self, name) is not None:
                 missing.append(prefix + name)

@@ -125,20 +125,24 @@ class BlockStreamer:
             return t
         hit = old.get(id(t))
         if hit is None or hit[0] is not t:
-            if t.is_pinned():  # by the host
-                return t
-            registered = Registered.of(t)
-            if registered is None and t.nbytes >= REGISTER_MIN:
-                log_once(log, logging.INFO, "weight streaming: host weights that cannot be "
-                         "page-locked where they lie get pinned copies")  # fmt: skip
-            try:
-                hit = (t, registered) if registered else (t, t.pin_memory())
-            except RuntimeError as e:  # out of page-locked memory: copy from pageable
-                log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
-                self.page_lock = False
+            hit = (t, t) if t.is_pinned() else self._page_lock(t)  # pinned by the host, or not
+            if hit is None:
                 return t
         new[id(t)] = hit
         return t if isinstance(hit[1], Registered) else hit[1]
+
+    def _page_lock(self, t: torch.Tensor) -> tuple | None:
+        """(t, its registration or a pinned copy), or None once pinning fails."""
+        registered = Registered.of(t)
+        if registered is None and t.nbytes >= REGISTER_MIN:
+            log_once(log, logging.INFO, "weight streaming: host weights that cannot be "
+                     "page-locked where they lie get pinned copies")  # fmt: skip
+        try:
+            return (t, registered) if registered else (t, t.pin_memory())
+        except RuntimeError as e:  # out of page-locked memory: copy from pageable
+            log_once(log, logging.WARNING, f"weight streaming: host memory not pinned ({e})")
+            self.page_lock = False
+            return None
 
     def _stage(self, i: int, device: torch.device) -> tuple[list, list]:
         """([(layer, its weight, (weight, bias, LoRA patches) on `device`)], [(new,

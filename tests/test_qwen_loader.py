@@ -403,6 +403,26 @@ def test_fp8_scale_copies_stay_out_of_the_state_dict(narrow_sd):
     assert set(model.model.state_dict()) == keys
 
 
+@pytest.mark.parametrize("dynamic_vram", [False, True])
+def test_fp8_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, dynamic_vram):
+    """With v0.33's dynamic VRAM the state dict's tensors are views of comfy-aimdo's file
+    mapping, which cannot be page-locked: the fp8 layer keeps copies of them (and the
+    tensors themselves otherwise, no copy)."""
+    memory = pytest.importorskip("comfy.memory_management")
+    monkeypatch.setattr(memory, "aimdo_enabled", dynamic_vram)
+    layer = qwen_loader.fp8_ops(fast=False).Linear(8, 4)
+    sd = {
+        "weight": torch.randn(4, 8).to(FP8),
+        "bias": torch.randn(4, dtype=torch.bfloat16),
+        "scale_weight": torch.tensor(0.5),
+    }
+    layer.load_state_dict(dict(sd))
+    for name, t in sd.items():
+        kept = getattr(layer, name)
+        assert torch.equal(kept.float(), t.float())
+        assert (kept.data_ptr() == t.data_ptr()) is not dynamic_vram, name
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left
