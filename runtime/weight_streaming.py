@@ -125,8 +125,8 @@ class BlockStreamer:
             return t
         hit = old.get(id(t))
         if hit is None or hit[0] is not t:
-            hit = (t, t) if t.is_pinned() else self._page_lock(t)  # pinned by the host, or not
-            if hit is None:
+            # checked per call: the host unpins its tensors as it pleases
+            if t.is_pinned() or (hit := self._page_lock(t)) is None:
                 return t
         new[id(t)] = hit
         return t if isinstance(hit[1], Registered) else hit[1]
