@@ -27,6 +27,7 @@ q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
@@ -164,11 +165,12 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
     def quantize(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, amax_group=""
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """q, k and v less its channel means ((B, H, L, D), last stride 1) in fp8, (B, L, H,
         D) memory viewed (B, H, L, D); the float32 scales (slots DQ..DS) and v's channel
-        means (float32 (B, H, D); zeros without smooth_v)."""
+        means (float32 (B, H, D); zeros without smooth_v). With `amax_group` (a process
+        group's name) the amaxes are the largest over its ranks."""
         dev = q.device
         if smooth_v:
             v_mean = v.mean(dim=2, dtype=torch.float32)
@@ -176,7 +178,7 @@ if HAS_TRITON:
             v_mean = torch.zeros(v.shape[:2] + v.shape[3:], dtype=torch.float32, device=dev)
         amax = torch.zeros(3, dtype=torch.int32, device=dev)
         scales = torch.empty(6, dtype=torch.float32, device=dev)
-        out = []
+        launches = []
         for slot, x in enumerate((q, k, v)):
             b, h, seq, d = x.shape
             block = 16384 // d
@@ -185,6 +187,13 @@ if HAS_TRITON:
             shape = (seq, h, *x.stride()[:3])
             sub_mean = smooth_v and slot == DV
             _amax_kernel[grid](*args, *shape, SUB_MEAN=sub_mean, D=d, BLOCK=block)
+            launches.append((slot, x, grid, args, shape, sub_mean, block))
+        if amax_group:  # non-negative floats order as their int32 bits do
+            group = dist.distributed_c10d._resolve_process_group(amax_group)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        out = []
+        for slot, x, grid, args, shape, sub_mean, block in launches:
+            b, h, seq, d = x.shape
             x8 = torch.empty((b, seq, h, d), dtype=FP8, device=dev)
             _quant_kernel[grid](*args, x8, scales, *shape, SLOT=slot, SUB_MEAN=sub_mean,
                                 D=d, BLOCK=block, INTERPRET=not x.is_cuda)  # fmt: skip
@@ -297,13 +306,16 @@ def attention_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> s
 
 
 def attention_fp8(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, amax_group=""
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v on fp8 tensor cores, through cuDNN.
 
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
     128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
-    leaves v's channel means in (only to measure what smoothing does). Other inputs, GPUs
+    leaves v's channel means in (only to measure what smoothing does). `amax_group`, a
+    torch.distributed process group's name, makes every rank of it quantize with the amaxes
+    of all their inputs together: ranks holding parts of one call's batch or heads then
+    round as one GPU holding it all would (each rank must make the call). Other inputs, GPUs
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and
     log why once.
     """
@@ -311,27 +323,27 @@ def attention_fp8(
     if reason is not None:
         log_fallback_once(OP, reason)
         return attention_exact(q, k, v)
-    return _attention_fp8_op(q, k, v, smooth_v).transpose(1, 2)
+    return _attention_fp8_op(q, k, v, smooth_v, amax_group).transpose(1, 2)
 
 
 if HAS_TRITON:
 
     @custom_op("qwen_turbo::attention_fp8")
     def _attention_fp8_op(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool, amax_group: str
     ) -> torch.Tensor:
         """(B, Lq, H, D); the plan is looked up here, where torch.compile does not trace."""
         plan = _plan(q, k)
         if isinstance(plan, str):
             log_fallback_once(OP, plan)
             return attention_exact(q, k, v).transpose(1, 2).contiguous()
-        (q8, k8, v8), scales, v_mean = quantize(q, k, v, smooth_v)
+        (q8, k8, v8), scales, v_mean = quantize(q, k, v, smooth_v, amax_group)
         b, h, lq, d = q.shape
         o8 = torch.empty((b, lq, h, d), dtype=FP8, device=q.device)
         plan.run(q8, k8, v8, scales, o8)
         return dequantize(o8, scales, v_mean, q.dtype)
 
     @_attention_fp8_op.register_fake
-    def _(q, k, v, smooth_v):
+    def _(q, k, v, smooth_v, amax_group):
         b, h, lq, d = q.shape
         return q.new_empty((b, lq, h, d))

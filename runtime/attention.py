@@ -6,6 +6,8 @@ cuDNN's fp8 attention (Hopper+, `nvidia-cudnn-frontend`) where it can, else SDPA
 signature is ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
 """
 
+import functools
+
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -66,9 +68,14 @@ def quantized(kernel):
 QUANTIZED = {"fp8_cudnn": attention_fp8}
 
 
-def attention_override(name: str):
-    """A `transformer_options["optimized_attention_override"]` running backend `name`."""
-    core = quantized(QUANTIZED[name]) if name in QUANTIZED else sdpa(BACKENDS[name])
+def attention_override(name: str, amax_group: str = ""):
+    """A `transformer_options["optimized_attention_override"]` running backend `name`; a
+    quantized one with the scales of all ranks of process group `amax_group` (see
+    `attention_fp8`)."""
+    if name in QUANTIZED:
+        core = quantized(functools.partial(QUANTIZED[name], amax_group=amax_group))
+    else:
+        core = sdpa(BACKENDS[name])
     attention = comfy_signature(core)
 
     def override(func, *args, **kwargs):

@@ -13,8 +13,10 @@ A call (`Driver`, a DIFFUSION_MODEL wrapper) is split two ways:
 - sequence parallel (Ulysses, `SeqParallel`): within a group, the text and the image tokens
   over its ranks; around attention an all-to-all turns (tokens/s, heads) into (tokens,
   heads/s) and back.
-The outputs come back to rank 0 by all_gather. Calls the workers cannot reproduce (another
-node's model patches or wrappers inside this one, ControlNet inputs) run on rank 0 alone.
+The outputs come back to rank 0 by all_gather. A quantized attention backend takes its
+scales over all ranks of the call, so each rounds as one GPU with the whole call would.
+Calls the workers cannot reproduce (another node's model patches or wrappers inside this
+one, ControlNet inputs) run on rank 0 alone.
 
 Operations are announced by a pickled header in the TCPStore, so an idle worker waits on a
 socket rather than in an NCCL collective that would time out. Workers start as plain
@@ -47,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import log_once, qwen_dit
-from .attention import attention_override
+from .attention import QUANTIZED, attention_override
 from .cuda_graphs import own
 
 log = logging.getLogger(__name__)
@@ -245,6 +247,16 @@ def _sp_group(cache: dict, groups: int, size: int, rank: int):
         cache[groups, size] = [dist.new_group(list(range(j * size, (j + 1) * size)))
                                for j in range(groups)]  # fmt: skip
     return cache[groups, size][rank // size] if rank < groups * size else None
+
+
+def _call_group(cache: dict, groups: int, size: int) -> str:
+    """The name of the process group of the ranks that take part in a call of this plan;
+    made, where it is not the whole world, as `_sp_group` makes its groups."""
+    if groups * size == dist.get_world_size():
+        return dist.group.WORLD.group_name
+    if ("call", groups, size) not in cache:
+        cache["call", groups, size] = dist.new_group(list(range(groups * size))).group_name
+    return cache["call", groups, size]
 
 
 # --- sequence parallel -----------------------------------------------------------------------
@@ -545,6 +557,10 @@ def run_share(call: Call, tensors, options: dict, rank: int, groups_cache: dict,
     batch, group = x.shape[0], rank // call.size
     shape, dtype = call.out
     sp = _sp_group(groups_cache, call.groups, call.size, rank) if call.size > 1 else None
+    if call.attention in QUANTIZED:
+        scales_over = _call_group(groups_cache, call.groups, call.size)
+        override = attention_override(call.attention, amax_group=scales_over)
+        options = {**options, "optimized_attention_override": override}
     if group >= call.groups:
         return torch.zeros(shape, dtype=dtype, device=x.device)
     tensors = [_share(t, batch, call.groups, group) for t in tensors]

@@ -125,8 +125,9 @@ class BlockStreamer:
             return t
         hit = old.get(id(t))
         if hit is None or hit[0] is not t:
-            # checked per call: the host unpins its tensors as it pleases
-            if t.is_pinned() or (hit := self._page_lock(t)) is None:
+            # host pinning is asked per call: the host unpins its tensors as it pleases
+            hit = None if t.is_pinned() else self._page_lock(t)
+            if hit is None:
                 return t
         new[id(t)] = hit
         return t if isinstance(hit[1], Registered) else hit[1]

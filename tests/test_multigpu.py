@@ -96,9 +96,10 @@ def test_split_equals_single_process(dit, ranks, mode, cfg, split):
     assert stats.calls == {split: STEPS} and not stats.local, stats
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "fp8_cudnn"])
 def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
-    """The Optimized Loader's fused blocks and attention override run on the workers too."""
+    """The Optimized Loader's fused blocks and attention override run on the workers too
+    (fp8_cudnn with its scales over the ranks; on CPU it runs exact attention)."""
     fast = loaded.clone()
     qwen_loader.add_fused_blocks(fast)
     qwen_loader.set_attention(fast, attention)
@@ -318,3 +319,12 @@ def test_node_on_two_gpus_equals_one(sampler):
         assert set(row["calls"]) == {split} and not row["local"], row
     if sampler == "ksampler":  # an untimed run and a timed one
         assert guided["calls"] == {"2x1": 2 * 3} and turbo["calls"] == {"1x2": 2 * 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fp8_attention_split_by_batch_equals_one_gpu():
+    """fp8_cudnn attention quantizes with the scales of the whole call's batch on every rank,
+    so CFG 4 split by batch rounds as the batched call on one GPU does."""
+    guided, _ = _bench("--variant", "fp8_fast fused fp8_cudnn")["rows"]
+    assert guided["rel_l2"] <= TOL and set(guided["calls"]) == {"2x1"}, guided

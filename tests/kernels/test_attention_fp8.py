@@ -7,8 +7,13 @@ e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). On an H200 (benchmarks/RE
 5.8 % at L = 7,145 and 6.4 % at L = 24,905 on i.i.d. N(0, 1) inputs. Bound: 1e-1.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwen_turbo.kernels import attention_fp8 as mod
@@ -121,6 +126,48 @@ def test_quantize_zero_and_huge(poisoned):
     assert k8.float().abs().max() == 448
     assert torch.equal(k8.float(), quantize_reference(k)[0].float())
     assert (v_mean == 7).all()
+
+
+def _quantize_share(rank: int, path: str, dim: int) -> None:
+    """Rank `rank` of a 2-process gloo group: its half (along `dim`) of q, k, v quantized with
+    the group's amaxes, saved to path/rank.pt."""
+    dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank, world_size=2)
+    try:
+        q, k, v = (x.chunk(2, dim)[rank] for x in _qkv(2, 4, 37, 37, 64, torch.bfloat16, 11))
+        v = v * (1 + 9 * rank)  # the ranks' amaxes differ
+        out, scales, _ = mod.quantize(q, k, v, amax_group=dist.group.WORLD.group_name)
+        torch.save(([o.float() for o in out], scales), f"{path}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# a plain subprocess: importing the pack imports ComfyUI, which parses the process's argv
+RANK = """import os
+import tests.conftest  # the pack importable as qwen_turbo
+from tests.kernels.test_attention_fp8 import _quantize_share
+_quantize_share(int(os.environ["RANK"]), os.environ["SHARE_DIR"], int(os.environ["SHARE_DIM"]))
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("dim", [0, 1], ids=["batch", "heads"])
+def test_quantize_over_ranks_rounds_as_one_tensor(tmp_path, dim):
+    """Two ranks each holding half of the batch (CFG-parallel) or of the heads (sequence
+    parallel) quantize with the whole tensors' scales, so their fp8 values are the halves
+    of the whole tensors'."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "SHARE_DIR": str(tmp_path),
+           "SHARE_DIM": str(dim)}  # fmt: skip
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK], env={**env, "RANK": str(r)})
+             for r in range(2)]  # fmt: skip
+    assert [p.wait(300) for p in ranks] == [0, 0]
+    q, k, v = _qkv(2, 4, 37, 37, 64, torch.bfloat16, 11)
+    v = torch.cat([h * (1 + 9 * r) for r, h in enumerate(v.chunk(2, dim))], dim)
+    out, scales, _ = mod.quantize(q, k, v)
+    for rank in range(2):
+        got, got_scales = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got_scales, scales)
+        for x8, whole in zip(got, out, strict=True):
+            assert torch.equal(x8, whole.float().chunk(2, dim)[rank])
 
 
 @needs_triton
