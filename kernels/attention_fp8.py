@@ -10,7 +10,7 @@ v's norm; without smoothing the error grew with it and with L, to 12-29 % at L =
 the random-weight model's attention inputs, against 0.3-1.5 % with it (H200). That fits
 the limited precision of Hopper's fp8 tensor-core accumulation over long same-sign sums.
 
-Passes around cuDNN's kernel: v's channel means (PyTorch); the per-tensor amax of q, k and
+Passes around cuDNN's kernel (Triton): v's channel means; the per-tensor amax of q, k and
 v; the scale and cast, which also writes the scales cuDNN reads (device tensors: no host
 sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v and O are
 (B, L, H, D) in memory, the joint layout the DiT's projections read and write.
@@ -46,6 +46,7 @@ HEAD_DIMS = (64, 128)
 # Slots of the float32 scales tensor: q, k, v descales (amax / 448), then 1 / v's descale
 # (O's scale), 448 (P's scale) and 1 / 448 (P's descale).
 DQ, DK, DV, SO, SS, DS = range(6)
+SUMS_CHUNK = 64  # block sums added per step of the channel means' second pass
 
 _plans: dict[tuple, object] = {}  # shape key -> _Plan, or the reason cuDNN declined it
 _handles: dict[int, object] = {}
@@ -105,6 +106,49 @@ if HAS_TRITON:
         if SUB_MEAN:
             x = tl.where(mask, x - tl.load(mean_ptr + bh * D + offs_d)[None, :], 0.0)
         return x, offs_l, mask
+
+    @triton.jit
+    def _sum_kernel(
+        x_ptr, sums_ptr, L, H, sx_b, sx_h, sx_l, D: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """The per-channel sum of one `_load_block` to sums (B * H, blocks, D)."""
+        bh = tl.program_id(1).to(tl.int64)
+        x, _, _ = _load_block(x_ptr, x_ptr, bh, L, H, sx_b, sx_h, sx_l, False, D, BLOCK)
+        offs = (bh * tl.num_programs(0) + tl.program_id(0)) * D + tl.arange(0, D)
+        tl.store(sums_ptr + offs, tl.sum(x, axis=0))
+
+    @triton.jit
+    def _mean_kernel(
+        sums_ptr, mean_ptr, L, BLOCKS,
+        D: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+    ):  # fmt: skip
+        """One (b, h)'s channel means from its block sums, added in an order set by BLOCKS
+        alone: CHUNKS chunks of CHUNK blocks (a constexpr count: the interpreter cannot loop
+        to a runtime one)."""
+        bh = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros((D,), dtype=tl.float32)
+        for c in range(CHUNKS):
+            offs_i = c * CHUNK + tl.arange(0, CHUNK)
+            offs = (bh * BLOCKS + offs_i[:, None]) * D + offs_d[None, :]
+            chunk = tl.load(sums_ptr + offs, mask=(offs_i < BLOCKS)[:, None], other=0.0)
+            acc += tl.sum(chunk, axis=0)
+        tl.store(mean_ptr + bh * D + offs_d, tl.math.div_rn(acc, L.to(tl.float32)))
+
+    def channel_means(x: torch.Tensor) -> torch.Tensor:
+        """x (B, H, L, D)'s means over L, float32 (B, H, D). Each (b, h) is added in an order
+        fixed by L alone (torch's reduction order follows its launch shape, so half a batch
+        or half the heads would round otherwise): Multi-GPU ranks holding parts of one
+        call get the whole call's means."""
+        b, h, seq, d = x.shape
+        block = 16384 // d
+        grid = (triton.cdiv(seq, block), b * h)
+        sums = torch.empty((b * h, grid[0], d), dtype=torch.float32, device=x.device)
+        _sum_kernel[grid](x, sums, seq, h, *x.stride()[:3], D=d, BLOCK=block)
+        mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+        chunks = triton.cdiv(grid[0], SUMS_CHUNK)
+        _mean_kernel[(b * h,)](sums, mean, seq, grid[0], D=d, CHUNK=SUMS_CHUNK, CHUNKS=chunks)
+        return mean
 
     @triton.jit
     def _amax_kernel(
@@ -173,7 +217,7 @@ if HAS_TRITON:
         group's name) the amaxes are the largest over its ranks."""
         dev = q.device
         if smooth_v:
-            v_mean = v.mean(dim=2, dtype=torch.float32)
+            v_mean = channel_means(v)
         else:
             v_mean = torch.zeros(v.shape[:2] + v.shape[3:], dtype=torch.float32, device=dev)
         amax = torch.zeros(3, dtype=torch.int32, device=dev)

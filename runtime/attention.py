@@ -84,4 +84,5 @@ def attention_override(name: str, amax_group: str = ""):
         return attention(*args, **kwargs)
 
     override.backend = name  # what a Multi-GPU worker rebuilds it from
+    override.collective = bool(amax_group) and name in QUANTIZED
     return override

@@ -287,6 +287,8 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
     for key, value in options.items():
         if key not in ("wrappers", "callbacks") and callable(value) and not own(value):
             return f"transformer option {key!r} runs Python per step"
+        if getattr(value, "collective", False):  # its peers run eagerly: never in a graph
+            return f"transformer option {key!r} talks to other processes"
     return None
 
 

@@ -600,3 +600,8 @@ def test_policy_trusts_the_packs_code_only(dit):
     assert cuda_graphs.foreign_code(options, "predict_noise", []).startswith("'someone' apply")
     options = {"wrappers": {}, "optimized_attention_override": outer}
     assert "'optimized_attention_override'" in cuda_graphs.foreign_code(options, "apply_model", [])
+    # fp8 attention taking its scales over Multi-GPU ranks: their collectives run eagerly
+    scaled = attention.attention_override("fp8_cudnn", amax_group="0")
+    options = {"wrappers": {}, "optimized_attention_override": scaled}
+    why = cuda_graphs.foreign_code(options, "apply_model", [])
+    assert why == "transformer option 'optimized_attention_override' talks to other processes"

@@ -128,6 +128,24 @@ def test_quantize_zero_and_huge(poisoned):
     assert (v_mean == 7).all()
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "seq,device",
+    [(300, "cpu"), pytest.param(25161, "cuda", marks=[pytest.mark.gpu, needs_cuda])],
+)
+def test_channel_means_of_a_half_equal_the_whole(poisoned, seq, device):
+    """v's channel means for half the batch or half the heads (in the (B, L, H, D) memory
+    a sequence-parallel rank holds) are the whole call's bit for bit: torch's mean is not,
+    at 7,145 and 24,905 tokens on an H200. And they are the means."""
+    v = _joint(2, 24, seq, 128, torch.bfloat16, seed=28, device=device) + 0.3
+    whole = mod.channel_means(v)
+    torch.testing.assert_close(whole, v.double().mean(2).float(), rtol=1e-5, atol=1e-6)
+    for half in range(2):
+        heads = v[:, 12 * half : 12 * half + 12].transpose(1, 2).contiguous().transpose(1, 2)
+        assert torch.equal(mod.channel_means(heads), whole[:, 12 * half : 12 * half + 12])
+        assert torch.equal(mod.channel_means(v[half : half + 1]), whole[half : half + 1])
+
+
 def _quantize_share(rank: int, path: str, dim: int) -> None:
     """Rank `rank` of a 2-process gloo group: its half (along `dim`) of q, k, v quantized with
     the group's amaxes, saved to path/rank.pt."""
@@ -325,6 +343,30 @@ def test_gpu_matches_exact(kernel_only, dtype, b, h, lq, lk, d):
     assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
     assert out.transpose(1, 2).is_contiguous()
     assert _gpu_rel(out, q, k, v) <= EXACT_TOL, _gpu_rel(out, q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+@pytest.mark.parametrize("seq", [1280, 7145])
+@pytest.mark.parametrize("dim", [0, 1], ids=["batch", "heads"])
+def test_gpu_half_of_a_call_rounds_as_the_whole(kernel_only, seq, dim):
+    """cuDNN's fp8 attention on half the batch or half the heads, at the whole call's scales
+    (what Multi-GPU ranks compute), gives the whole call's output for that half bit for bit."""
+    xs = _qkv(2, 24, seq, seq, 128, torch.bfloat16, seed=27, device="cuda")
+    (q8, k8, v8), scales, _ = mod.quantize(*xs)
+
+    def run(*xs):  # in (B, L, H, D) memory, as quantize writes it
+        q8, k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs)
+        b, h, lq, d = q8.shape
+        o8 = torch.empty((b, lq, h, d), dtype=FP8, device="cuda")
+        mod._plan(q8, k8).run(q8, k8, v8, scales, o8)
+        return o8.view(torch.uint8)
+
+    whole = run(q8, k8, v8)
+    for half in range(2):
+        got = run(*(x.chunk(2, dim)[half] for x in (q8, k8, v8)))
+        assert torch.equal(got, whole.chunk(2, 0 if dim == 0 else 2)[half])
 
 
 @pytest.mark.gpu
