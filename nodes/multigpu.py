@@ -33,9 +33,10 @@ class MultiGPU(io.ComfyNode):
                     tooltip="cfg-parallel: cond and uncond of a guided step on different GPUs "
                     "(no gain at CFG 1). sequence-parallel: each GPU takes a share of the "
                     "image and text tokens, attention exchanges them (all-to-all over the "
-                    "heads; the GPU count must divide the 24 heads); gains at CFG 1 too, at "
-                    "large sizes most. both / auto: CFG groups first, sequence parallel inside "
-                    "each (4 GPUs at CFG > 1: 2 groups of 2).",
+                    "heads where the GPU count divides the 24 heads, else each GPU gathers "
+                    "every token's keys and values); gains at CFG 1 too, at large sizes most. "
+                    "both / auto: CFG groups first, sequence parallel inside each (4 GPUs at "
+                    "CFG > 1: 2 groups of 2).",
                 ),
             ],
             outputs=[io.Model.Output(tooltip="The model, for any sampler node.")],
@@ -47,7 +48,6 @@ class MultiGPU(io.ComfyNode):
         with report.measured(cls) as extra:
             devices, note = multigpu.cuda_devices(model.load_device, gpus)
             if devices:
-                multigpu.check_heads(model, mode, len(devices))
                 model = multigpu.parallel(model, devices, mode)
                 extra["gpus"] = ", ".join(devices)
             if note:

@@ -10,9 +10,10 @@ where rank 0 does.
 
 A call (`Driver`, a DIFFUSION_MODEL wrapper) is split two ways:
 - CFG-parallel: the batch (cond and uncond, as ComfyUI batches them) over `groups` of ranks;
-- sequence parallel (Ulysses, `SeqParallel`): within a group, the text and the image tokens
-  over its ranks; around attention an all-to-all turns (tokens/s, heads) into (tokens,
-  heads/s) and back.
+- sequence parallel (`SeqParallel`): within a group, the text and the image tokens over its
+  ranks. Around attention an all-to-all turns (tokens/s, heads) into (tokens, heads/s) and
+  back (Ulysses), where the ranks divide the heads; elsewhere each rank gathers every
+  token's keys and values and attends with its own queries.
 The outputs come back to rank 0 by all_gather. A quantized attention backend takes its
 scales over all ranks of the call, so each rounds as one GPU with the whole call would.
 Calls the workers cannot reproduce (another node's model patches or wrappers inside this
@@ -263,10 +264,12 @@ def _call_group(cache: dict, groups: int, size: int) -> str:
 
 
 class SeqParallel:
-    """Ulysses on one rank for one model call. The rank keeps its chunk of the text and of
-    the image tokens (ceil(n/s) each, zero-padded at the end) through every block, with those
-    tokens' RoPE rows; attention gathers every token for heads/s of the heads, leaving the
-    padded ones out of the keys, and gives back this chunk's tokens for all heads.
+    """Sequence parallel on one rank for one model call. The rank keeps its chunk of the text
+    and of the image tokens (ceil(n/s) each, zero-padded at the end) through every block,
+    with those tokens' RoPE rows. Attention gathers every token for heads/s of the heads
+    (Ulysses), or, where s does not divide the heads, every token's keys and values for all
+    heads; either way the padded tokens are left out of the keys, and the rank gets back its
+    chunk's tokens for all heads.
 
     Hooks: ComfyUI's block replacement (`patches_replace["dit"]`, splitting before the first
     block and gathering the image tokens after the last) and `optimized_attention_override`
@@ -328,13 +331,21 @@ class SeqParallel:
         dist.all_to_all_single(_bytes(y), _bytes(x), group=self.group)
         return y
 
+    def _real(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, s * (t_loc + i_loc), ...) gathered rank by rank -> its real tokens."""
+        return y if self.index is None else y.index_select(1, self.index)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, L_loc, H, D) of this rank's tokens -> (B, H, L, D) of every real token."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather([_bytes(p) for p in parts], _bytes(t), group=self.group)
+        return self._real(torch.cat(parts, 1)).transpose(1, 2)
+
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, L_loc, H, D) of this rank's tokens -> (B, H/s, L, D) of every real token."""
         x = t.unflatten(2, (self.size, -1)).permute(2, 0, 1, 3, 4).contiguous()
-        y = self._all_to_all(x).permute(1, 0, 2, 3, 4).flatten(1, 2)
-        if self.index is not None:
-            y = y.index_select(1, self.index)
-        return y.transpose(1, 2)
+        return self._real(self._all_to_all(x).permute(1, 0, 2, 3, 4).flatten(1, 2)).transpose(1, 2)
 
     def _to_tokens(self, o: torch.Tensor) -> torch.Tensor:
         """(B, L, H/s, D) of every real token -> (B, L_loc, H, D) of this rank's tokens."""
@@ -354,9 +365,13 @@ class SeqParallel:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         else:  # (B, L, H * D)
             q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+        attention = func if inner is None else functools.partial(inner, func)
+        if heads % self.size:  # this rank's queries against every key
+            q, k, v = q.transpose(1, 2), self._gather(k), self._gather(v)
+            return attention(q, k, v, heads, None, skip_reshape=True,
+                             skip_output_reshape=skip_output_reshape, **kwargs)  # fmt: skip
         q, k, v = (self._to_heads(t) for t in (q, k, v))
         h = heads // self.size
-        attention = func if inner is None else functools.partial(inner, func)
         out = attention(q, k, v, h, None, skip_reshape=True, **kwargs)
         out = self._to_tokens(out.unflatten(-1, (h, -1)))  # (B, L_loc, H, D)
         return out.transpose(1, 2) if skip_output_reshape else out.flatten(2)
@@ -369,20 +384,17 @@ def _largest_divisor(n: int, of: int) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and of % d == 0)
 
 
-def plan(mode: str, world: int, batch: int, heads: int, why_not_sp: str | None):
+def plan(mode: str, world: int, batch: int, why_not_sp: str | None):
     """(groups, ranks per group, why not every rank is used or None). CFG groups take the
     batch (the cheaper split); sequence parallel takes the ranks within a group."""
     groups = 1 if mode == "sequence-parallel" else _largest_divisor(world, batch)
-    per = world // groups
     sp = mode != "cfg-parallel" and why_not_sp is None
-    size = _largest_divisor(per, heads) if sp else 1
+    size = world // groups if sp else 1
     if groups * size == world:
         return groups, size, None
     if mode == "cfg-parallel":
         return groups, size, f"a batch of {batch} splits over {groups} of {world} GPUs"
-    if why_not_sp is not None:
-        return groups, size, f"no sequence parallel with {why_not_sp}"
-    return groups, size, f"{heads} heads split over {size} of {per} GPUs"
+    return groups, size, f"no sequence parallel with {why_not_sp}"
 
 
 # --- the worker pool -------------------------------------------------------------------------
@@ -686,8 +698,7 @@ class Driver:
         except Exception as e:
             raise NotReplicable(f"a model argument that does not pickle ({e})") from None
         x = args[0]
-        heads = dm.transformer_blocks[0].attn.heads
-        groups, size, why = plan(self.mode, len(self.devices), x.shape[0], heads,
+        groups, size, why = plan(self.mode, len(self.devices), x.shape[0],
                                  self._why_not_sp(dm, bound))  # fmt: skip
         out = ((x.shape[0] // groups, *x.shape[1:]), x.dtype)
         blocks = len(dm.transformer_blocks)
@@ -744,18 +755,6 @@ def cuda_devices(load_device: torch.device, gpus: int) -> tuple[list[str], str |
     others = [f"cuda:{i}" for i in range(count) if i != first][: gpus - 1]
     note = None if len(others) == gpus - 1 else f"{count} CUDA devices present, not {gpus}"
     return [f"cuda:{first}", *others], note
-
-
-def check_heads(model, mode: str, world: int) -> None:
-    """Raise ValueError naming the GPU counts that work, where `mode` is sequence parallel
-    and the heads do not split over `world` ranks."""
-    heads = model.model.diffusion_model.transformer_blocks[0].attn.heads
-    if mode == "sequence-parallel" and heads % world:
-        fits = ", ".join(str(d) for d in range(2, heads + 1) if heads % d == 0 and d <= 16)
-        raise ValueError(
-            f"sequence-parallel: the model's {heads} heads do not split over {world} GPUs; "
-            f"use {fits} GPUs, or mode auto"
-        )
 
 
 # --- ranks 1..N-1 ----------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 the path taken (ranks per call, calls left on rank 0) read from the driver's counters.
 
 Latents of 6x10 give 15 image tokens and the prompts 7 text tokens: neither divides over 2 or
-4 ranks, so the padded sequence-parallel chunks are exercised.
+4 ranks, so the padded sequence-parallel chunks are exercised; 3 ranks do not divide the 4
+heads, so there each rank gathers the keys and values.
 """
 
 import json
@@ -83,6 +84,8 @@ CASES = [
     (2, "auto", 1.0, (1, 2)),
     (4, "both", 2.5, (2, 2)),
     (4, "auto", 1.0, (1, 4)),
+    (3, "sequence-parallel", 1.0, (1, 3)),  # 3 ranks, 4 heads: keys and values gathered
+    (6, "both", 2.5, (2, 3)),
 ]
 
 
@@ -235,20 +238,21 @@ def test_a_worker_that_cannot_start_is_named():
 
 
 @pytest.mark.parametrize(
-    ("mode", "world", "batch", "heads", "why_not_sp", "want"),
+    ("mode", "world", "batch", "why_not_sp", "want"),
     [
-        ("auto", 2, 2, 24, None, (2, 1, None)),
-        ("auto", 2, 1, 24, None, (1, 2, None)),
-        ("auto", 8, 2, 24, None, (2, 4, None)),
-        ("auto", 5, 2, 24, None, (1, 1, "24 heads split over 1 of 5 GPUs")),
-        ("cfg-parallel", 4, 2, 24, None, (2, 1, "a batch of 2 splits over 2 of 4 GPUs")),
-        ("sequence-parallel", 4, 2, 24, None, (1, 4, None)),
-        ("both", 2, 1, 24, "a text attention mask",
+        ("auto", 2, 2, None, (2, 1, None)),
+        ("auto", 2, 1, None, (1, 2, None)),
+        ("auto", 8, 2, None, (2, 4, None)),
+        ("auto", 5, 2, None, (1, 5, None)),
+        ("cfg-parallel", 4, 2, None, (2, 1, "a batch of 2 splits over 2 of 4 GPUs")),
+        ("sequence-parallel", 4, 2, None, (1, 4, None)),
+        ("both", 6, 2, None, (2, 3, None)),
+        ("both", 2, 1, "a text attention mask",
          (1, 1, "no sequence parallel with a text attention mask")),
     ],
 )  # fmt: skip
-def test_plan(mode, world, batch, heads, why_not_sp, want):
-    assert multigpu.plan(mode, world, batch, heads, why_not_sp) == want
+def test_plan(mode, world, batch, why_not_sp, want):
+    assert multigpu.plan(mode, world, batch, why_not_sp) == want
 
 
 def test_node_with_one_gpu_returns_the_model_as_it_is(dit):
@@ -269,12 +273,6 @@ def test_devices_start_with_rank_0s_gpu(monkeypatch):
     assert multigpu.cuda_devices(cuda1, 6) == (
         ["cuda:1", "cuda:0", "cuda:2", "cuda:3"], "4 CUDA devices present, not 6"
     )  # fmt: skip
-
-
-def test_heads_that_do_not_split_name_the_gpu_counts_that_do(dit):
-    with pytest.raises(ValueError, match="4 heads do not split over 3 GPUs; use 2, 4 GPUs"):
-        multigpu.check_heads(dit, "sequence-parallel", 3)
-    multigpu.check_heads(dit, "auto", 3)  # auto uses the ranks that fit
 
 
 def test_other_models_are_refused():
