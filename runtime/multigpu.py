@@ -570,9 +570,11 @@ def run_share(call: Call, tensors, options: dict, rank: int, groups_cache: dict,
     shape, dtype = call.out
     sp = _sp_group(groups_cache, call.groups, call.size, rank) if call.size > 1 else None
     if call.attention in QUANTIZED:
-        scales_over = _call_group(groups_cache, call.groups, call.size)
-        override = attention_override(call.attention, amax_group=scales_over)
-        options = {**options, "optimized_attention_override": override}
+        key = ("override", call.attention, call.groups, call.size)
+        if key not in groups_cache:  # made once per plan, not per call
+            scales_over = _call_group(groups_cache, call.groups, call.size)
+            groups_cache[key] = attention_override(call.attention, amax_group=scales_over)
+        options = {**options, "optimized_attention_override": groups_cache[key]}
     if group >= call.groups:
         return torch.zeros(shape, dtype=dtype, device=x.device)
     tensors = [_share(t, batch, call.groups, group) for t in tensors]
