@@ -14,13 +14,15 @@ TextEncodeQwenImageEditPlus does (each picture at about 1024²). LoadImage reads
 2048x1536 PNG written into the input folder.
 
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
-UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches. Each runs twice:
+UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches. "pack+VAEDecode"
+(on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling. Each runs twice:
 the first run with nothing loaded or captured (the file in the OS cache), then a second with a
 new sampler seed (the conditioning and encodes cached, as in ComfyUI).
 Prints a table and JSON on the last line.
 
     COMFYUI_PATH=~/comfy/ComfyUI-v0.33 python benchmarks/card_workflow.py --cards 24 16
     ... --workflow qwen_image_edit_2511_2512px --cards 24 0
+    ... --cards 0 --batch 1 2 4 --size 1328   (peaks per batch against ComfyUI's estimate)
 """
 
 import argparse
@@ -95,8 +97,9 @@ def write_pictures(folder: Path, api: dict) -> None:
 
 
 def prompts(workflow: Path) -> dict:
-    """{"pack": api, "stock": api} for a bundled workflow, text encoding replaced (Edit's by
-    QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
+    """{"pack": api, "stock": api, "pack+VAEDecode": api} for a bundled workflow, text
+    encoding replaced (Edit's by QwenTurboTestEditConditioning, which still VAE-encodes the
+    reference pictures)."""
     import nodes
     from qwen_turbo.runtime.workflow import object_info, ui_to_api
 
@@ -136,25 +139,48 @@ def prompts(workflow: Path) -> dict:
             src = vae_of[src[0]]
         if src is not None:
             node["inputs"]["vae"] = src
-    return {"pack": pack, "stock": stock}
+    # the pack's graph with ComfyUI's own decode after the CUDA Graph Sampler
+    mixed = {
+        k: {"class_type": n["class_type"], "inputs": dict(n["inputs"])} for k, n in pack.items()
+    }
+    for node in mixed.values():
+        if node["class_type"] == "QwenTurboVAEDecodeTiled":
+            node["class_type"], node["inputs"] = (
+                "VAEDecode",
+                STOCK["QwenTurboVAEDecodeTiled"][1](node["inputs"]),
+            )
+    return {"pack": pack, "stock": stock, "pack+VAEDecode": mixed}
 
 
 class Recorder:
-    """The `server` PromptExecutor reports to: node timings and errors."""
+    """The `server` PromptExecutor reports to: node timings and errors; the pack's badge
+    messages (report.send) land in `badges`."""
 
     client_id = "card-benchmark"
     last_node_id = last_prompt_id = None
 
     def __init__(self):
-        self.times, self.error, self._node, self._t0 = {}, None, None, 0.0
+        self.times, self.peaks, self.error, self._node, self._t0 = {}, {}, None, None, 0.0
+        self.badges = {}
+
+    def badge(self, node_id, data: dict) -> None:
+        self.badges[node_id] = data
 
     def send_sync(self, event, data, sid=None):
+        import torch
+
         now = time.perf_counter()
         if event in ("executing", "execution_error", "execution_success") and self._node:
             self.times[self._node] = self.times.get(self._node, 0) + now - self._t0
+            if torch.cuda.is_available():  # the allocator's peak counts as the host allocates
+                peak, held = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+                if peak >= self.peaks.get(self._node, (0, 0))[0]:
+                    self.peaks[self._node] = peak, held
             self._node = None
         if event == "executing":
             self._node, self._t0 = data.get("node"), now
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
         if event == "execution_error":
             self.error = f"{data.get('node_type')}: {data.get('exception_message')}".strip()
 
@@ -165,6 +191,30 @@ class Recorder:
         pass
 
 
+def set_latent(api: dict, batch: int, size: int | None) -> None:
+    """The empty latents' batch size, and their width and height where `size` is given."""
+    for node in api.values():
+        if node["class_type"].startswith("Empty") and "batch_size" in node["inputs"]:
+            node["inputs"]["batch_size"] = batch
+            if size:
+                node["inputs"]["width"] = node["inputs"]["height"] = size
+
+
+def comfy_estimate_gib(api: dict) -> float | None:
+    """ComfyUI's estimate (BaseModel.memory_required) of what one model call of the empty
+    latent needs on top of the weights, from the diffusion model loaded last."""
+    import comfy.model_base
+    import comfy.model_management as mm
+
+    latent = next(n["inputs"] for n in api.values() if n["class_type"].startswith("Empty"))
+    shape = [latent["batch_size"], 16, 1, latent["height"] // 8, latent["width"] // 8]
+    for loaded in mm.current_loaded_models:
+        model = getattr(loaded.model, "model", None)
+        if isinstance(model, comfy.model_base.BaseModel):
+            return round(model.memory_required(shape) / GiB, 2)
+    return None
+
+
 def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     """One execution of `api` with `seed` in its samplers; peak_gib is None without CUDA."""
     import torch
@@ -173,10 +223,9 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     for node in api.values():
         if "seed" in node["inputs"] and "steps" in node["inputs"]:  # samplers, not conds
             node["inputs"]["seed"] = seed
-    server.times, server.error = {}, None
+    server.times, server.peaks, server.error, server.badges = {}, {}, None, {}
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     t0 = time.perf_counter()
     outputs = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
@@ -184,15 +233,23 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
     total = time.perf_counter() - t0
-    by_kind = {}
+    by_kind, peaks = {}, {}
     for node_id, s in server.times.items():
         kind = api[node_id]["class_type"]
         by_kind[kind] = round(by_kind.get(kind, 0) + s, 2)
+    for node_id, (peak, held) in server.peaks.items():
+        kind = api[node_id]["class_type"]
+        if kind not in peaks or peak - filler_bytes > peaks[kind][0] * GiB:
+            peaks[kind] = [round((peak - filler_bytes) / GiB, 2), round((peak - held) / GiB, 2)]
     return {
         "ok": executor.success, "error": server.error, "seconds": round(total, 2),
         "nodes": by_kind,
-        "peak_gib": round((torch.cuda.max_memory_allocated() - filler_bytes) / GiB, 2)
-        if cuda else None,
+        "peak_gib": max((p for p, _ in peaks.values()), default=None),
+        # per kind of node: [the most allocated during it, above the filler; that peak less
+        # what stayed allocated after it (a sampler's activations, its model staying loaded)]
+        "node_peak_gib": peaks,
+        # the CUDA Graph Sampler's badge: captured, replayed, eager and why
+        "graphs": [b["graphs"] for b in server.badges.values() if "graphs" in b],
         # the allocator freed its cache and retried (synchronizing): memory ran short
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         if cuda else None,
@@ -284,6 +341,18 @@ def main():
     p.add_argument("--variants", nargs="+", default=["stock", "pack"])
     p.add_argument("--models", default="/tmp/qwen-turbo-models")
     p.add_argument("--dynamic-vram", action="store_true", help="v0.33: as main.py enables it")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="the latent's batch sizes")
+    p.add_argument(
+        "--size", type=int, help="the latent's width and height (default: the workflow's)"
+    )
+    p.add_argument(
+        "--loader",
+        nargs=3,
+        metavar=("WEIGHT_DTYPE", "ATTENTION", "FUSED"),
+        help="the Optimized Loader's settings in the pack variant (FUSED: on, off)",
+    )
+    p.add_argument("--capture", help="the CUDA Graph Sampler's capture mode in the pack variant")
+    p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
     a = p.parse_args()
     models = Path(a.models)
     dynamic = start(models, a.dynamic_vram)
@@ -291,9 +360,19 @@ def main():
     import execution
     import torch
 
+    from qwen_turbo.nodes import report
     from qwen_turbo.runtime import headless
 
     variants = prompts(ROOT / "workflows" / f"{a.workflow}.json")
+    if a.loader:
+        dtype, attention, fused = a.loader
+        for node in variants["pack"].values():
+            if node["class_type"] == "QwenTurboLoader":
+                node["inputs"].update(weight_dtype=dtype, attention=attention,
+                                      fused_kernels=fused == "on")  # fmt: skip
+    for node in variants["pack"].values():
+        if a.capture and node["class_type"] == "QwenTurboCUDAGraphSampler":
+            node["inputs"]["capture"] = a.capture
     write_models(models, variants["pack"])
     write_pictures(models / "input", variants["pack"])
 
@@ -304,13 +383,18 @@ def main():
         free = torch.cuda.mem_get_info()[0] / GiB
         for variant in a.variants:
             server = Recorder()
+            report.send = server.badge
             executor = headless._executor(execution, server)
-            for i, seed in enumerate((1, 2)):
-                r = run_once(executor, server, variants[variant], seed, filler_bytes)
-                run = "first" if i == 0 else "later"
-                rows.append({"card_gib": card or None, "free_gib": round(free, 1),
-                             "variant": variant, "run": run, **r})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
+            for b, batch in enumerate(a.batch):
+                set_latent(variants[variant], batch, a.size)
+                for i, seed in enumerate(range(1, a.runs + 1)):
+                    r = run_once(executor, server, variants[variant], seed, filler_bytes)
+                    run = "first" if b == i == 0 else "later"
+                    estimate = comfy_estimate_gib(variants[variant])
+                    rows.append({"card_gib": card or None, "free_gib": round(free, 1),
+                                 "variant": variant, "batch": batch, "run": run, **r,
+                                 "comfy_estimate_gib": estimate})  # fmt: skip
+                    print(json.dumps(rows[-1]), flush=True)
             del executor, server
             mm.unload_all_models()
             mm.soft_empty_cache()
@@ -324,12 +408,13 @@ def main():
     version = getattr(comfyui_version, "__version__", "?")
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}"
           f"{', dynamic VRAM' if dynamic else ''}, {a.workflow}")  # fmt: skip
-    print(f"{'card':>6} {'variant':7} {'run':6} {'ok':3} {'total s':>8} {'peak GiB':>8}  nodes")
+    print(f"{'card':>6} {'variant':7} {'batch':>5} {'run':6} {'ok':3} {'total s':>8} "
+          f"{'peak GiB':>8}  nodes")  # fmt: skip
     for r in rows:
         slow = ", ".join(f"{k} {v}" for k, v in sorted(r["nodes"].items(), key=lambda x: -x[1])[:3])
-        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:7} {r['run']:6} "
-              f"{'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} {r['peak_gib']:8.2f}  {slow}"
-              + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
+        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:7} {r['batch']:5} {r['run']:6} "
+              f"{'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} {r['peak_gib'] or 0:8.2f}  "
+              f"{slow}" + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "comfyui": version, "dynamic_vram": dynamic, "workflow": a.workflow,
                       "rows": rows}))  # fmt: skip

@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 import nodes as comfy_nodes
 
-from ..runtime import cuda_graphs, host, log_once
+from ..runtime import cuda_graphs, host, log_once, qwen_loader
 from . import report
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,30 @@ def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     add_skip_report(model, skipped)
     latent = comfy_nodes.common_ksampler(model, *args, **kwargs)[0]
     status = graph_status(before, cuda_graphs.run_stats(model.model))
-    return latent, "; ".join(filter(None, [status, *skipped]))
+    return latent, "; ".join(filter(None, [status, trim_graphs(model.load_device), *skipped]))
+
+
+def free_beside_graphs(device, held: int) -> int:
+    """What ComfyUI counts as free, less the graph pools it counts in that."""
+    return mm.get_free_memory(device) - held
+
+
+def trim_graphs(device) -> str | None:
+    """After a run: drop the cached graphs where they would crowd the free memory that later
+    nodes ask ComfyUI for (cuda_graphs.trim); what was dropped, for the badge."""
+    held = cuda_graphs.held_bytes()
+    dropped = cuda_graphs.trim(free_beside_graphs(device, held)) if held else 0
+    if not dropped:
+        return None
+    log_once(log, logging.INFO, "CUDA Graph Sampler: cached graphs dropped after a run, to "
+             "leave ComfyUI the free memory it counts on; the next run captures again")  # fmt: skip
+    return f"graphs dropped after the run for room ({dropped / 2**30:.2f} GiB)"
 
 
 def sample_within_memory(model, whole_step, backend, *args, **kwargs):
     """sample_with_graphs; where it runs out of memory, every cached graph is dropped and the
-    run goes again as KSampler, which needs no graph memory."""
+    run goes again as KSampler, which needs no graph memory, with ComfyUI's own activation
+    estimate (the Optimized Loader's measured one is smaller)."""
     try:
         return sample_with_graphs(model, whole_step, backend, *args, **kwargs)
     except mm.OOM_EXCEPTION:
@@ -108,7 +126,8 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
         mm.soft_empty_cache()
         note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
         log.warning("CUDA Graph Sampler: %s", note)
-        return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
+        with qwen_loader.host_estimate(model):
+            return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
 
 def out_of_memory(model, latent: dict, e: Exception) -> Exception:

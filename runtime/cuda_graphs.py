@@ -148,11 +148,28 @@ def free_graphs(model: torch.nn.Module) -> None:
             cache.clear()
 
 
+def held_bytes() -> int:
+    """What the cached graphs' memory pools hold."""
+    return sum(g.nbytes for cache in _caches.values() for g in cache.graphs.values())
+
+
+# Cached graphs stay after a run only while they hold at most this share of the memory left
+# free beside them. ComfyUI counts their pools as free (torch's reserved, unused memory) and
+# cannot drop them; this bounds what a later node's request can be short by.
+KEEP_SHARE = 0.25
+
+
+def trim(free: int) -> int:
+    """Drop every cached graph where together they hold more than KEEP_SHARE of `free` (the
+    memory free outside their pools); returns the bytes dropped."""
+    return release_all() if held_bytes() > KEEP_SHARE * free else 0
+
+
 def release_all() -> int:
     """Drop every cached graph, so that their memory pools go back to the allocator (before a
     node asks ComfyUI to unload or offload a model for room); returns the bytes they held.
     The next sampling run captures again."""
-    freed = sum(g.nbytes for cache in _caches.values() for g in cache.graphs.values())
+    freed = held_bytes()
     for cache in _caches.values():
         cache.graphs.clear()
     if freed and torch.cuda.is_available():
@@ -180,21 +197,26 @@ class CudaGraphs:
     @staticmethod
     def capture(
         run: Callable[[], torch.Tensor], mode: str = "global"
-    ) -> tuple[Callable[[], None], torch.Tensor, int]:
-        """`mode`: CUDA's capture error mode; "relaxed" lets the captured Python query free
+    ) -> tuple[Callable[[], None], torch.Tensor, int, torch.Tensor]:
+        """(replay, the graph's output, the bytes its pool took, the warm-up's output).
+        The warm-up (lazy init, cuBLAS/cuDNN workspaces and autotuning) computes the call
+        eagerly, so its output serves the capturing call: no replay of the same step.
+        `mode`: CUDA's capture error mode; "relaxed" lets the captured Python query free
         memory (ComfyUI's cond batching does, every step)."""
         device = torch.cuda.current_device()
         side = CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            run()  # warm-up: lazy init, cuBLAS/cuDNN workspaces and autotuning
+            first = run()
         torch.cuda.current_stream().wait_stream(side)
+        if isinstance(first, torch.Tensor):
+            first.record_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode=mode):
             out = run()
-        return graph.replay, out, torch.cuda.memory_reserved() - before
+        return graph.replay, out, torch.cuda.memory_reserved() - before, first
 
 
 def _is_options(value) -> bool:
@@ -409,21 +431,22 @@ class GraphRunner:
             return None
         graph = cache.get(key)
         if graph is None:
-            graph = self._capture(cache, key, tensors, run)
-            if graph is None:
-                return None
-        else:
-            cache.stats.replayed += 1
+            return self._capture(cache, key, tensors, run)
+        cache.stats.replayed += 1
         graph.load(tensors)
         graph.replay()
         return graph.output.clone()
 
-    def _capture(self, cache, key, tensors, run) -> Graph | None:
+    def _capture(self, cache, key, tensors, run) -> torch.Tensor | None:
+        """Capture `run` for `key`; the output of this call (the capture's warm-up), or None
+        when it cannot be captured."""
         # Buffers live on the latent's device: ComfyUI keeps the text conds on the CPU and
         # copies them in every call, which a capture cannot record.
         inputs = [t.to(tensors[0].device, copy=True) for t in tensors]
         try:
-            replay, out, nbytes = self.backend.capture(lambda: run(inputs), self.capture_mode)
+            replay, out, nbytes, first = self.backend.capture(
+                lambda: run(inputs), self.capture_mode
+            )
         except Exception as e:  # any capture failure: the run goes on eagerly
             cache.failed.add(key)
             log.warning("CUDA Graph Sampler: capture failed (%s: %s)", type(e).__name__, e)
@@ -433,10 +456,9 @@ class GraphRunner:
             return None
         pairs = zip(tensors, inputs, strict=True)
         copied = [(t, _version(t)) if t.device != b.device else None for t, b in pairs]
-        graph = Graph(replay, inputs, out, nbytes, copied)
-        cache.put(key, graph)
+        cache.put(key, Graph(replay, inputs, out, nbytes, copied))
         cache.stats.captured += 1
-        return graph
+        return first
 
 
 # Keys of a cond (after ComfyUI's process_conds) whose effect depends on the step's data or

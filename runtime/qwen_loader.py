@@ -4,6 +4,7 @@ read off the weights, with fp8 ops, attention and fused blocks attached through 
 This module imports ComfyUI; the math it uses is in `qwen_dit`, `attention` and `kernels/`.
 """
 
+import contextlib
 import inspect
 import logging
 from pathlib import Path
@@ -44,6 +45,30 @@ FUSED_KEY = "forward"  # object patch on each block's `forward`
 # quantization: `fp8_gemv`, bf16 activations on the fp8 weight. Activation quantization there
 # cost accuracy (H200, 60 layers: rel. error 6.5e-2 against 5.2e-2 with bf16 compute).
 GEMV_ROWS = 16
+# ComfyUI's estimate of what a Qwen-Image call needs beside the weights (BaseModel.
+# memory_required, memory_usage_factor 1.8) is about twice what the bundled workflows' settings
+# take (fp8_e4m3fn_fast, fused blocks, fp8_cudnn): per 2512² picture 1.65 GiB resident and
+# 1.8-2.1 GiB with the DiT streamed on a 12 GiB card, batches 1-4, against its 3.47
+# (benchmarks/RESULTS.md, "Batches"). ComfyUI keeps that much free and offloads weights for it;
+# 1.3 (2.5 GiB) keeps more of the DiT on the GPU on small cards. fp8 storage with bf16 GEMMs and
+# fp8_cudnn's sdpa fallback (GPUs before Hopper) hold the same token-sized tensors, plus one
+# layer's weight in bf16 at a time. Other settings keep ComfyUI's estimate.
+ACTIVATIONS_FACTOR = 1.3
+
+
+@contextlib.contextmanager
+def host_estimate(model):
+    """ComfyUI's own activation estimate for `model` (a ModelPatcher) inside: for a run again
+    after running out of memory with the measured one."""
+    base = model.model
+    measured = base.memory_usage_factor
+    base.memory_usage_factor = base.model_config.memory_usage_factor
+    try:
+        yield
+    finally:
+        base.memory_usage_factor = measured
+
+
 # The variants by their reference method (qwen_dit.read_config), for messages.
 VARIANTS = {"index_timestep_zero": "Qwen-Image-Edit-2511", "negative_index": "Qwen-Image-Layered"}
 
@@ -390,12 +415,15 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
         config.attention_head_dim, config.joint_attention_dim, patcher.qwen_turbo_weights,
         f", {VARIANTS[config.default_ref_method]}" if config.variant() else "",
     )  # fmt: skip
-    if fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes):
+    fused = fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes)
+    if fused:
         add_fused_blocks(patcher)
     if patcher.qwen_turbo_weights.startswith("fp8"):
         stream_offloaded_weights(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
+        if fused and attention == "fp8_cudnn" and patcher.qwen_turbo_weights.startswith("fp8"):
+            patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
         compile_blocks(patcher)
     patcher.qwen_turbo_notes = notes

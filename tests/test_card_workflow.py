@@ -87,6 +87,9 @@ def test_graphs_validate_at_full_size(comfy, path):
     if "edit" in path.stem:
         assert {"QwenTurboVAEEncodeTiled", "QwenTurboTestEditConditioning"} <= kinds["pack"]
         assert {"VAEEncode", "LoadImage", "QwenTurboTestEditConditioning"} <= kinds["stock"]
+    mixed = kinds["pack+VAEDecode"]
+    assert "VAEDecode" in mixed and "QwenTurboVAEDecodeTiled" not in mixed
+    assert mixed - {"VAEDecode"} == kinds["pack"] - {"QwenTurboVAEDecodeTiled"}
 
 
 def test_soak_cycles_sizes_batches_and_the_lora(comfy):
@@ -116,7 +119,8 @@ def test_edit_workflow_runs_stock_and_pack(comfy):
     variants finish, the encodes run as nodes, and a second run (a new seed) reruns only the
     sampler and what follows it."""
     variants = card.prompts(ROOT / "workflows" / "qwen_image_edit_2509_2512px.json")
-    for variant, api in variants.items():
+    for variant in ("stock", "pack"):
+        api = variants[variant]
         for node in api.values():
             kind, i = node["class_type"], node["inputs"]
             i.update({"width": 32, "height": 32} if kind == "ImageScale" else {})
@@ -222,3 +226,15 @@ def test_random_models_have_every_weight_with_dynamic_vram(monkeypatch):
            bench.random_state_dict(bench.qwen_vae_module(), 0).keys())  # fmt: skip
     assert got == want and "img_in.weight" in got[0]
     assert memory.aimdo_enabled  # set back
+
+
+def test_set_latent_sizes_the_empty_latent(comfy):
+    """--batch and --size reach the empty latent, and the graph still validates."""
+    api = card.prompts(ROOT / "workflows" / "qwen_image_2512_turbo_2512px.json")["pack"]
+    card.set_latent(api, 4, 1328)
+    (latent,) = [n["inputs"] for n in api.values() if n["class_type"] == "EmptySD3LatentImage"]
+    assert (latent["batch_size"], latent["width"], latent["height"]) == (4, 1328, 1328)
+    valid, error, _, node_errors = asyncio.run(execution.validate_prompt("batch", api, None))
+    assert valid and not node_errors, (error, node_errors)
+    card.set_latent(api, 2, None)
+    assert (latent["batch_size"], latent["width"]) == (2, 1328)

@@ -34,7 +34,7 @@ class FakeGraphs:
     def capture(cls, run, mode="global"):
         cls.calls += 1
         out = run()
-        return (lambda: out.copy_(run())), out, 100
+        return (lambda: out.copy_(run())), out, 100, out.clone()
 
 
 class FailingGraphs(FakeGraphs):
@@ -73,10 +73,10 @@ class TracedGraphs(FakeGraphs):
     @classmethod
     def capture(cls, run, mode="global"):
         cls.calls += 1
-        run()  # warm-up, as CudaGraphs does
+        first = run()  # warm-up, as CudaGraphs does: the capturing call's output
         with torch.no_grad(), Recorder() as recorder:
             out = run()
-        return recorder.replay, out, 100
+        return recorder.replay, out, 100, first
 
 
 @pytest.fixture(scope="module")
@@ -259,21 +259,76 @@ class OutOfMemoryGraphs(FakeGraphs):
 
     @classmethod
     def capture(cls, run, mode="global"):
-        _, out, nbytes = super().capture(run, mode)
+        _, out, nbytes, first = super().capture(run, mode)
 
         def replay():
             raise comfy.model_management.OOM_EXCEPTION("CUDA out of memory. Tried to allocate")
 
-        return replay, out, nbytes
+        return replay, out, nbytes, first
 
 
-def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog):
+class CountingGraphs(FakeGraphs):
+    replays = 0
+
+    @classmethod
+    def capture(cls, run, mode="global"):
+        replay, out, nbytes, first = super().capture(run, mode)
+
+        def counted():
+            cls.replays += 1
+            replay()
+
+        return counted, out, nbytes, first
+
+
+def test_the_capturing_step_is_not_replayed(dit):
+    """The capture's warm-up computes the first step: 3 whole steps replay twice, and the
+    result is KSampler's."""
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    cuda_graphs.free_graphs(dit.model)
+    CountingGraphs.calls = CountingGraphs.replays = 0
+    out, _ = graph_sampler.sample_with_graphs(dit, True, CountingGraphs, *args)
+    assert CountingGraphs.calls == 1 and CountingGraphs.replays == 2
+    ref = nodes.common_ksampler(dit, *args)[0]["samples"]
+    torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("free", [4000, 200])
+def test_graphs_stay_after_a_run_only_with_room_beside_them(dit, monkeypatch, free):
+    """FakeGraphs' pool holds 100 bytes (cond and uncond run as one call): with 4000 bytes
+    free beside it, it stays and the next run replays; with 200 it is dropped, the badge says
+    so, and the next run captures again."""
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    cuda_graphs.free_graphs(dit.model)
+    monkeypatch.setattr(graph_sampler, "free_beside_graphs", lambda device, held: free)
+    _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
+    assert ("dropped after the run for room" in status) == (free == 200), status
+    assert cuda_graphs.held_bytes() == (100 if free == 4000 else 0)
+    _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
+    assert status.startswith("replayed 2" if free == 4000 else "captured 1, replayed 1"), status
+
+
+def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, monkeypatch):
+    """The run again asks ComfyUI for its own activation estimate, where the model had a
+    smaller one (as the Optimized Loader's has), and the model keeps its own afterwards."""
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     ref = nodes.common_ksampler(dit, *args)[0]["samples"]
+    asked, load = [], comfy.model_management.load_models_gpu
+
+    def load_models_gpu(models, memory_required=0, **kwargs):
+        asked.append(memory_required)
+        return load(models, memory_required=memory_required, **kwargs)
+
+    monkeypatch.setattr(comfy.model_management, "load_models_gpu", load_models_gpu)
+    monkeypatch.setattr(dit.model, "memory_usage_factor", 0.9)
     with caplog.at_level(logging.WARNING):
         out, status = graph_sampler.sample_within_memory(dit, False, OutOfMemoryGraphs, *args)
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+    assert asked[1] == pytest.approx(asked[0] * dit.model.model_config.memory_usage_factor / 0.9)
+    assert dit.model.memory_usage_factor == 0.9
     assert status.startswith("off (out of memory with graphs") and "ran as KSampler" in status
     assert not cuda_graphs.cache_for(dit.model).graphs  # dropped
     assert "out of memory with graphs" in caplog.text
@@ -605,3 +660,12 @@ def test_policy_trusts_the_packs_code_only(dit):
     options = {"wrappers": {}, "optimized_attention_override": scaled}
     why = cuda_graphs.foreign_code(options, "apply_model", [])
     assert why == "transformer option 'optimized_attention_override' talks to other processes"
+
+
+def test_trim_drops_graphs_holding_more_than_a_quarter_of_the_free_memory():
+    cuda_graphs.release_all()
+    model = torch.nn.Linear(1, 1)
+    cache = cuda_graphs.cache_for(model)
+    cache.put(("a",), cuda_graphs.Graph(None, [], torch.zeros(1), 300, []))
+    assert cuda_graphs.trim(1200) == 0 and cache.graphs
+    assert cuda_graphs.trim(1199) == 300 and not cache.graphs

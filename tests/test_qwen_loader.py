@@ -574,3 +574,43 @@ def test_fp8_fast_linears_of_one_input_on_gpu():
         for a, b in zip(shared, each, strict=True):
             assert a.isfinite().all()
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype, attention, fused, measured",
+    [("fp8_e4m3fn_fast", "fp8_cudnn", True, True), ("fp8_e4m3fn", "fp8_cudnn", True, True),
+     ("fp8_e4m3fn_fast", "sdpa", True, False), ("bf16", "fp8_cudnn", True, False),
+     ("fp8_e4m3fn_fast", "fp8_cudnn", False, False)],
+)  # fmt: skip
+def test_sampling_asks_comfyui_for_the_measured_activations(
+    diffusion_models, monkeypatch, dtype, attention, fused, measured
+):
+    """What KSampler asks ComfyUI's memory manager to keep free beside the weights: with the
+    bundled workflows' settings (fp8 weights, fused blocks, fp8_cudnn), ComfyUI's own estimate
+    scaled to the measured factor; with others, exactly UNETLoader's request; and ComfyUI's
+    inside host_estimate."""
+    import nodes
+
+    path = models.qwen_dit_file()
+    (diffusion_models / path.name).unlink(missing_ok=True)
+    (diffusion_models / path.name).symlink_to(path)
+    asked, load = [], mm.load_models_gpu
+
+    def load_models_gpu(models, memory_required=0, **kwargs):
+        asked.append(memory_required)
+        return load(models, memory_required=memory_required, **kwargs)
+
+    monkeypatch.setattr(mm, "load_models_gpu", load_models_gpu)
+    cond = [[torch.randn(1, 7, 3584, generator=torch.Generator().manual_seed(3)), {}]]
+    latent = {"samples": torch.zeros(1, 16, 1, 12, 10)}
+    stock = comfy.sd.load_diffusion_model(str(path))
+    pack = qwen_loader.load(path.name, dtype, attention, fused)
+    for model in (stock, pack):
+        nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)
+    with qwen_loader.host_estimate(pack):
+        nodes.common_ksampler(pack, 1, 1, 1.0, "euler", "simple", cond, cond, latent)
+    scale = qwen_loader.ACTIVATIONS_FACTOR / stock.model.memory_usage_factor if measured else 1
+    assert asked[1] == pytest.approx(asked[0] * scale, rel=1e-6)
+    assert asked[1] < asked[0] if measured else asked[1] == asked[0]
+    assert asked[2] == asked[0]
+    mm.unload_all_models()
