@@ -33,6 +33,7 @@ for a whole step, CFG function or per-step callback keeps that region out of a g
 """
 
 import contextvars
+import inspect
 import logging
 import weakref
 from collections import OrderedDict
@@ -314,12 +315,28 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
     return None
 
 
+def comfy_model_sampling(obj) -> bool:
+    """Whether every method of `obj`'s class is ComfyUI's own model sampling (tensor math on
+    the step's sigma, in comfy.model_sampling). The ModelSampling* nodes patch in a subclass
+    with no methods of its own, defined in a module that ComfyUI's node loader names after
+    the file's path, so the module of the class itself says nothing."""
+    for cls in type(obj).__mro__:
+        if cls.__module__ == "comfy.model_sampling" or cls.__module__.split(".")[0] in (
+            "torch", "builtins",
+        ):  # fmt: skip
+            continue
+        kinds = (staticmethod, classmethod, property)
+        if any(inspect.isfunction(v) or isinstance(v, kinds) for v in vars(cls).values()):
+            return False
+    return True
+
+
 def foreign_object_patch(object_patches: dict, outside: tuple[str, ...] = ()) -> str | None:
     """Why a ModelPatcher's object patches run Python a replay would skip: one that is neither
-    the pack's nor ComfyUI's own model sampling (tensor math on the step's sigma), nor on a key
-    in `outside` (what wraps the captured region from outside)."""
+    the pack's nor ComfyUI's own model sampling, nor on a key in `outside` (what wraps the
+    captured region from outside)."""
     for key, obj in object_patches.items():
-        comfy_sampling = key == "model_sampling" and type(obj).__module__.startswith("comfy")
+        comfy_sampling = key == "model_sampling" and comfy_model_sampling(obj)
         if not (comfy_sampling or key in outside or own(obj)):
             return f"object patch on {key!r} runs Python per step"
     return None

@@ -4,10 +4,13 @@ On CPU a stand-in backend gives graph semantics (capture once, replay into the s
 buffer from the static inputs), so the whole capture/replay path runs inside real sampling.
 """
 
+import asyncio
 import copy
 import logging
+from pathlib import Path
 
 import comfy.conds
+import comfy.model_sampling
 import comfy.sd
 import pytest
 import torch
@@ -669,3 +672,49 @@ def test_trim_drops_graphs_holding_more_than_a_quarter_of_the_free_memory():
     cache.put(("a",), cuda_graphs.Graph(None, [], torch.zeros(1), 300, []))
     assert cuda_graphs.trim(1200) == 0 and cache.graphs
     assert cuda_graphs.trim(1199) == 300 and not cache.graphs
+
+
+def _loaded_as_comfyui_does(name):
+    """The node class `name` from comfy_extras/nodes_model_advanced.py as ComfyUI's node loader
+    (init_extra_nodes) imports it for the executor: in a module named after the file's path."""
+    path = Path(nodes.__file__).parent / "comfy_extras" / "nodes_model_advanced.py"
+    assert asyncio.run(nodes.load_custom_node(str(path), module_parent="comfy_extras"))
+    return nodes.NODE_CLASS_MAPPINGS[name]
+
+
+class _ShiftedInput(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
+    """Model sampling with a method of its own, whose Python a replay would freeze: the
+    input's scale grows with each call."""
+
+    calls = 0
+
+    def calculate_input(self, sigma, noise):
+        self.calls += 1
+        return noise * (1 + 0.01 * self.calls)
+
+
+_ShiftedInput.__module__ = "comfy_someone"  # a name alone proves nothing
+
+
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model_forward", "whole_step"])
+def test_model_sampling_node_as_the_executor_loads_it_is_captured(dit, whole_step):
+    """ModelSamplingAuraFlow in the bundled workflows: its class, built by the node in a module
+    named after the node file's path, has only comfy.model_sampling's methods, so its steps
+    replay; a model sampling class with a method of its own keeps the calls eager."""
+    node = _loaded_as_comfyui_does("ModelSamplingAuraFlow")
+    model = node().patch_aura(dit, 3.1)[0]
+    assert not type(model.object_patches["model_sampling"]).__module__.startswith("comfy")
+    for patched, replays in ((model, True), (model.clone(), False)):
+        if not replays:
+            patched.add_object_patch("model_sampling", _ShiftedInput(patched.model.model_config))
+        cuda_graphs.free_graphs(dit.model)
+        ref = _sample(patched, steps=4)
+        patched.object_patches["model_sampling"].calls = 0
+        out, status = graph_sampler.sample_with_graphs(
+            patched, whole_step, TracedGraphs, 42, 4, 2.5, "euler", "simple", _cond(8, 1),
+            _cond(8, 2), {"samples": torch.zeros((1, 16, 6, 8))},
+        )  # fmt: skip
+        torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
+        assert ("replayed" in status) == replays, status
+        why = "object patch on 'model_sampling' runs Python per step"
+        assert (why in status) != replays, status
