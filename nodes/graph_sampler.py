@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 import nodes as comfy_nodes
 
-from ..runtime import cuda_graphs, host, log_once, qwen_loader
+from ..runtime import batch_fit, cuda_graphs, host, log_once, qwen_loader
 from . import report
 
 log = logging.getLogger(__name__)
@@ -130,18 +130,20 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
             return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
 
-def out_of_memory(model, latent: dict, e: Exception) -> Exception:
+def out_of_memory(model, latent: dict, fit: int | None, e: Exception) -> Exception:
     """The OOM error a user can act on: the size, ComfyUI's own estimate of what a step needs
-    on top of the weights, what the card has, and what to change. Still an OOM exception, so
-    that ComfyUI's executor unloads the models as it does for any."""
+    on top of the weights, what the card has, the batch that fits (`fit`, as counted before
+    the run), and what to change. Still an OOM exception, so that ComfyUI's executor unloads
+    the models as it does for any."""
     x = latent["samples"]
     h, w = x.shape[-2] * 8, x.shape[-1] * 8
     need = model.model.memory_required(x.shape) / 2**30
     total = mm.get_total_memory(model.load_device) / 2**30
+    fits = f" By that estimate {fit} pictures of this size fit." if fit is not None else ""
     msg = (
         f"CUDA Graph Sampler ran out of memory at {w}×{h}, batch {x.shape[0]}: ComfyUI "
         f"estimates {need:.1f} GiB for a step on top of the weights it keeps on the GPU, and "
-        f"this GPU has {total:.1f} GiB. Lower the size or batch, close other programs using "
+        f"this GPU has {total:.1f} GiB.{fits} Lower the size or batch, close other programs using "
         "the GPU, or start ComfyUI with --lowvram (or a smaller --reserve-vram). "
         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     )
@@ -213,9 +215,14 @@ class CUDAGraphSampler(io.ComfyNode):
     ) -> io.NodeOutput:  # fmt: skip
         args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         missing = host.missing("cuda_graphs")  # a host internal the runners rely on
+        cuda = model.load_device.type == "cuda"
         with report.measured(cls) as extra:
+            fit, extra["note"] = (
+                batch_fit.check(model, latent_image["samples"], positive, negative)
+                if cuda else (None, None)
+            )  # fmt: skip
             try:
-                if capture != "off" and model.load_device.type == "cuda" and missing is None:
+                if capture != "off" and cuda and missing is None:
                     whole_step = capture == "whole CFG step"
                     latent, extra["graphs"] = sample_within_memory(
                         model, whole_step, cuda_graphs.CudaGraphs, *args, denoise=denoise
@@ -224,5 +231,5 @@ class CUDAGraphSampler(io.ComfyNode):
                     latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
                     extra["graphs"] = f"off ({missing or capture_off(model, capture)})"
             except mm.OOM_EXCEPTION as e:
-                raise out_of_memory(model, latent_image, e) from e
+                raise out_of_memory(model, latent_image, fit, e) from e
         return io.NodeOutput(latent)

@@ -79,6 +79,12 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
         attr("comfy.patcher_extension", "WrappersMP.PREDICT_NOISE"),
         params("comfy.samplers", "CFGGuider.predict_noise", "x", "timestep", "model_options"),
     ],
+    "batch_fit": [
+        params("comfy.sampler_helpers", "estimate_memory", "model", "noise_shape", "conds"),
+        attr("comfy.sampler_helpers", "convert_cond"),
+        attr("comfy.model_management", "extra_reserved_memory"),
+        attr("comfy.model_management", "current_loaded_models"),
+    ],
 }
 
 _missing: dict[str, str] | None = None

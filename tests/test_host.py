@@ -14,7 +14,7 @@ import nodes
 from qwen_turbo.nodes import report
 from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime import host
+from qwen_turbo.runtime import batch_fit, host
 
 CHECKS = [(feature, check) for feature, checks in host.FEATURES.items() for check in checks]
 
@@ -95,6 +95,7 @@ def test_sampler_without_wrapper_internals_runs_as_ksampler(monkeypatch, sent):
     latent = {"samples": torch.zeros(1, 4, 8, 8)}
     calls = []
     monkeypatch.setattr(nodes, "common_ksampler", lambda *a, **k: calls.append(a) or [latent])
+    monkeypatch.setattr(batch_fit, "check", lambda *a: (None, None))  # a Linear: no estimate
     CUDAGraphSampler.execute(model, 0, 1, 1.0, "euler", "simple", [], [], latent)
     assert len(calls) == 1 and calls[0][0] is model  # the model as given: no graph wrappers
     assert "WrappersMP.PREDICT_NOISE is missing" in sent[-1]["graphs"]
