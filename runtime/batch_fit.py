@@ -4,7 +4,8 @@ Sampler's badge, its warning before a run and its out-of-memory message.
 
 Checked against measured peaks (benchmarks/RESULTS.md, "Batches"): for the bundled turbo
 workflow at 2512² the estimate is 2.5 GiB a picture against 1.65-2.13 GiB measured; on a 12 GiB
-card (11 GiB free) this counts 4 pictures, and batch 4 ran there in 7.6 GiB.
+card (11 GiB free) this counts 4 pictures by arithmetic (10.1 GiB of room / 2.5), and batch 4
+ran there in 7.6 GiB.
 """
 
 import logging
@@ -16,8 +17,9 @@ from . import host, log_once
 
 log = logging.getLogger(__name__)
 GiB = 2**30
-# What stays on the GPU beside the activations with the DiT offloaded: measured 0.32 GiB at
-# 12 GiB, batch 4 (ComfyUI's floor of 128 MiB, the streamer's next block, the latents).
+# What stays on the GPU beside the activations with the DiT offloaded (ComfyUI's 128 MiB floor,
+# the streamer's next block, the latents): 0.32 GiB at 12 GiB, batch 4 (the sampler's 7.61 GiB
+# peak less its 7.29 GiB of activations).
 WEIGHTS_FLOOR = GiB // 2
 
 

@@ -48,8 +48,9 @@ GEMV_ROWS = 16
 # ComfyUI's estimate of what a Qwen-Image call needs beside the weights (BaseModel.
 # memory_required, memory_usage_factor 1.8) is about twice what the bundled workflows' settings
 # take (fp8_e4m3fn_fast, fused blocks, fp8_cudnn): per 2512² picture 1.65 GiB resident and
-# 1.8-2.1 GiB with the DiT streamed on a 12 GiB card, batches 1-4, against its 3.47
-# (benchmarks/RESULTS.md, "Batches"). ComfyUI keeps that much free and offloads weights for it;
+# 1.8-2.1 GiB with the DiT streamed on a 12 GiB card, batches 1-4 (benchmarks/RESULTS.md,
+# "Batches"), against its 3.46 (2.50 printed with 1.3, scaled to 1.8). ComfyUI keeps that much
+# free and offloads weights for it;
 # 1.3 (2.5 GiB) keeps more of the DiT on the GPU on small cards. fp8 storage with bf16 GEMMs and
 # fp8_cudnn's sdpa fallback (GPUs before Hopper) hold the same token-sized tensors, plus one
 # layer's weight in bf16 at a time. Other settings keep ComfyUI's estimate.
