@@ -26,6 +26,7 @@ Prints a table and JSON on the last line.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -353,12 +354,15 @@ def main():
     )
     p.add_argument("--capture", help="the CUDA Graph Sampler's capture mode in the pack variant")
     p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
+    p.add_argument(
+        "--record-kernels", metavar="PATH",
+        help="write the Triton launches of these runs as a warm-up manifest (kernels/warmup.json)",
+    )  # fmt: skip
     a = p.parse_args()
     models = Path(a.models)
     dynamic = start(models, a.dynamic_vram)
     import comfy.model_management as mm
     import execution
-    import torch
 
     from qwen_turbo.nodes import report
     from qwen_turbo.runtime import headless
@@ -375,6 +379,20 @@ def main():
             node["inputs"]["capture"] = a.capture
     write_models(models, variants["pack"])
     write_pictures(models / "input", variants["pack"])
+
+    from qwen_turbo.kernels import warmup
+
+    with warmup.record() if a.record_kernels else contextlib.nullcontext([]) as launched:
+        rows = run_cards(a, variants, models, mm, execution, report, headless)
+    if a.record_kernels:
+        total = warmup.save(launched, Path(a.record_kernels))
+        print(f"{len(launched)} kernel launches recorded; {a.record_kernels} lists {total}")
+    print_rows(rows, dynamic, a.workflow)
+
+
+def run_cards(a, variants, models, mm, execution, report, headless) -> list[dict]:
+    """Each card, variant, batch and run of `a`; the rows of the table."""
+    import torch
 
     rows = []
     for card in a.cards:
@@ -402,12 +420,17 @@ def main():
             torch.cuda.empty_cache()
         del filler
         torch.cuda.empty_cache()
+    return rows
 
+
+def print_rows(rows: list[dict], dynamic: bool, workflow: str) -> None:
+    """The table, then the JSON on the last line."""
     import comfyui_version
+    import torch
 
     version = getattr(comfyui_version, "__version__", "?")
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}"
-          f"{', dynamic VRAM' if dynamic else ''}, {a.workflow}")  # fmt: skip
+          f"{', dynamic VRAM' if dynamic else ''}, {workflow}")  # fmt: skip
     print(f"{'card':>6} {'variant':7} {'batch':>5} {'run':6} {'ok':3} {'total s':>8} "
           f"{'peak GiB':>8}  nodes")  # fmt: skip
     for r in rows:
@@ -416,7 +439,7 @@ def main():
               f"{'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} {r['peak_gib'] or 0:8.2f}  "
               f"{slow}" + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "comfyui": version, "dynamic_vram": dynamic, "workflow": a.workflow,
+                      "comfyui": version, "dynamic_vram": dynamic, "workflow": workflow,
                       "rows": rows}))  # fmt: skip
 
 

@@ -5,6 +5,7 @@ import logging
 
 from comfy_api.latest import io
 
+from ..kernels import warmup
 from ..runtime import log_once, vae_patches
 from . import report
 
@@ -50,6 +51,8 @@ def patched_vae(vae, find):
         )
         patches, skipped = {}, []
     _log_skipped(skipped)
+    if patches:
+        warmup.start(vae.device)  # compiles the kernels before the first decode
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     for path, module in patches.items():

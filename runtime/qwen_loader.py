@@ -21,6 +21,7 @@ import folder_paths
 import torch
 import torch.nn.functional as F
 
+from ..kernels import warmup
 from ..kernels.fp8_linear import (
     FP8,
     FP8_MAX,
@@ -405,6 +406,7 @@ def _host_allows(feature: str, setting: str, notes: list[str]) -> bool:
 def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off"):
     """The Optimized Loader: a MODEL that every stock node accepts. Settings this host cannot
     run are turned off; `patcher.qwen_turbo_notes` says which and why."""
+    warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
     sd, config = read_checkpoint(resolve(name))
     notes: list[str] = []
     if weight_dtype.startswith("fp8") and not _host_allows("fp8_weights", weight_dtype, notes):
