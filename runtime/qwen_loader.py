@@ -148,12 +148,8 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     def _load_from_state_dict(
         self, sd, prefix, local_metadata, strict, missing, unexpected, errors
     ):
-        # v0.33's dynamic VRAM hands out views of its file mapping, which the driver cannot
-        # page-lock: ComfyUI's pinning of offloaded layers would fail (and sync) per weight
-        mapped = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
         for name in ("weight", "bias", "scale_weight"):
             if (t := sd.pop(prefix + name, None)) is not None:
-                t = t.clone() if mapped and t.device.type == "cpu" else t
                 setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
             elif name != "scale_weight" and getattr(self, name) is not None:
                 missing.append(prefix + name)
@@ -319,6 +315,29 @@ def check_host(config: qwen_dit.DiTConfig) -> None:
             )
 
 
+def _aimdo_enabled() -> bool:
+    return getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
+
+
+class Patcher(comfy.model_patcher.ModelPatcher):
+    """ComfyUI's ModelPatcher for the Optimized Loader's model.
+
+    With v0.33's dynamic VRAM the fp8 layers hold views of comfy-aimdo's file mapping
+    (`model.qwen_turbo_mapped`: their data pointers), which the driver cannot page-lock:
+    ComfyUI's pinning of an offloaded weight would fail ("Pin error.") and synchronize. A
+    weight ComfyUI pins is copied out of the mapping first, so only offloaded weights are
+    copied: copying all 19 GiB at load cost the loader 5-6 s on an H100.
+    """
+
+    def pin_weight_to_device(self, key):
+        mapped = getattr(self.model, "qwen_turbo_mapped", None)
+        weight = comfy.utils.get_attr(self.model, key) if mapped else None
+        if weight is not None and weight.data_ptr() in mapped:
+            mapped.discard(weight.data_ptr())
+            comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
+        super().pin_weight_to_device(key)
+
+
 def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`.
     Raises HostLacks where this host cannot run the variant."""
@@ -343,12 +362,14 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
+    views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0}
     model.load_model_weights(sd, "")
-    if getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False):
+    if _aimdo_enabled():
+        model.qwen_turbo_mapped = {p.data_ptr() for p in model.parameters()} & views
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
                  "model loads through ComfyUI's standard partial loading, whose offloaded "
                  "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
+    patcher = Patcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher
 

@@ -4,6 +4,7 @@ diffusers' blocks, weight modes, diffusers folders, LoRA on fp8, attention, clea
 import logging
 
 import comfy.model_management as mm
+import comfy.model_patcher
 import comfy.sd
 import comfy.utils
 import pytest
@@ -403,13 +404,9 @@ def test_fp8_scale_copies_stay_out_of_the_state_dict(narrow_sd):
     assert set(model.model.state_dict()) == keys
 
 
-@pytest.mark.parametrize("dynamic_vram", [False, True])
-def test_fp8_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, dynamic_vram):
-    """With v0.33's dynamic VRAM the state dict's tensors are views of comfy-aimdo's file
-    mapping, which cannot be page-locked: the fp8 layer keeps copies of them (and the
-    tensors themselves otherwise, no copy)."""
-    memory = pytest.importorskip("comfy.memory_management")
-    monkeypatch.setattr(memory, "aimdo_enabled", dynamic_vram)
+def test_fp8_layers_keep_the_state_dicts_tensors():
+    """No copy at load: with v0.33's dynamic VRAM these are views of comfy-aimdo's file
+    mapping, copied only where ComfyUI pins them (below)."""
     layer = qwen_loader.fp8_ops(fast=False).Linear(8, 4)
     sd = {
         "weight": torch.randn(4, 8).to(FP8),
@@ -418,9 +415,34 @@ def test_fp8_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, dynamic_vr
     }
     layer.load_state_dict(dict(sd))
     for name, t in sd.items():
-        kept = getattr(layer, name)
-        assert torch.equal(kept.float(), t.float())
-        assert (kept.data_ptr() == t.data_ptr()) is not dynamic_vram, name
+        assert getattr(layer, name).data_ptr() == t.data_ptr(), name
+
+
+@pytest.mark.parametrize("dynamic_vram", [False, True])
+def test_pinned_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, narrow_sd, dynamic_vram):
+    """With dynamic VRAM a weight ComfyUI pins is first copied out of the state dict's
+    tensors (comfy-aimdo's file mapping, which the driver cannot page-lock), once; the others
+    stay views. Without it ComfyUI pins the weight itself."""
+    memory = pytest.importorskip("comfy.memory_management")
+    if not hasattr(comfy.model_patcher.ModelPatcher, "pin_weight_to_device"):
+        pytest.skip("this ComfyUI pins no weights")
+    monkeypatch.setattr(memory, "aimdo_enabled", dynamic_vram)
+    pinned = []
+    monkeypatch.setattr(mm, "pin_memory", lambda t: pinned.append(t) or False)
+    sd = dict(narrow_sd)
+    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "fp8_e4m3fn")
+    key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
+    other = "diffusion_model.transformer_blocks.1.img_mlp.net.0.proj.weight"
+    view = comfy.utils.get_attr(patcher.model, key)
+    assert view.dtype == FP8
+    patcher.pin_weight_to_device(key)
+    patcher.pin_weight_to_device(key)
+    kept = comfy.utils.get_attr(patcher.model, key)
+    assert [t.data_ptr() for t in pinned] == [kept.data_ptr()] * 2  # copied once
+    assert (kept.data_ptr() != view.data_ptr()) is dynamic_vram
+    assert torch.equal(kept.float(), view.float())
+    mapped = getattr(patcher.model, "qwen_turbo_mapped", set())
+    assert (comfy.utils.get_attr(patcher.model, other).data_ptr() in mapped) is dynamic_vram
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
