@@ -55,9 +55,13 @@ def test_graph_sampler_equals_ksampler(alloc, monkeypatch):
 
 
 def test_graph_sampler_on_a_compiled_model():
+    """Inductor compiles KSampler's model and the captured one separately, and the two need
+    not round alike: rel L2 1.7e-3 at 3 steps in 4 of 7 runs on an H100 (v0.33.0), 1e-3 or
+    less in the others; the trees before and after 7dd36ce each passed once and failed once
+    on the same caches, so the spread is inductor's, not the pack's."""
     out = _bench("--sizes", "512", "--steps", "3", "--repeats", "1", "--busy-size", "0",
                  "--compile", "--modes", *MODES)  # fmt: skip
-    _assert_replayed(out, tol=1e-3)
+    _assert_replayed(out, tol=2e-3)
 
 
 def test_back_to_back_runs_keep_memory_flat():
