@@ -3,8 +3,9 @@
 A machine's first run compiles every kernel variant it launches, one after another, inside
 the first sampling step: 28 variants and 9.0 s on an H100 for the bundled 2512^2 turbo workflow
 (benchmarks/RESULTS.md). `start()` compiles the launches listed in `warmup.json`, recorded
-from the bundled workflows by `record()`, on a pool of threads, while ComfyUI loads the model:
-Triton's compiler releases the GIL, so 8 threads take about a fifth of the serial time. Each
+from the bundled workflows by `record()`, on a pool of threads, while ComfyUI loads the model
+(Triton's compiler releases the GIL for much of its work: those 28 took 6.6 s of wall time on 8
+threads against 12.7 s one after another, module imports included). Each
 goes through Triton's own `warmup` (its binder, options and caches), so the first real launch
 of that variant finds it compiled. A variant not listed, or one that fails to compile here
 (an older GPU), is compiled at its launch as before.

@@ -362,9 +362,10 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
-    views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0}
+    mapped = _aimdo_enabled()  # the state dict's tensors are views of comfy-aimdo's mapping
+    views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0} if mapped else set()
     model.load_model_weights(sd, "")
-    if _aimdo_enabled():
+    if mapped:
         model.qwen_turbo_mapped = {p.data_ptr() for p in model.parameters()} & views
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
                  "model loads through ComfyUI's standard partial loading, whose offloaded "
