@@ -315,10 +315,6 @@ def check_host(config: qwen_dit.DiTConfig) -> None:
             )
 
 
-def _aimdo_enabled() -> bool:
-    return getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
-
-
 class Patcher(comfy.model_patcher.ModelPatcher):
     """ComfyUI's ModelPatcher for the Optimized Loader's model.
 
@@ -362,7 +358,8 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     model = model.to(offload_device)
-    mapped = _aimdo_enabled()  # the state dict's tensors are views of comfy-aimdo's mapping
+    # with dynamic VRAM the state dict's tensors are views of comfy-aimdo's file mapping
+    mapped = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
     views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0} if mapped else set()
     model.load_model_weights(sd, "")
     if mapped:
