@@ -2,7 +2,9 @@
 
 Takes card_workflow.py's arguments; prints the compiles per kernel and the plans at exit. With
 SPECS=path, also pickles each compile's specialization there, for parallel_compile.py. Use a
-new TRITON_CACHE_DIR for a new install's first run.
+new TRITON_CACHE_DIR for a new install's first run. With TIMELINE=1, also prints where each
+variant's first run spent its time: model loads, pinning, synchronizes, graph capture, Triton's
+kernel loads and launcher builds, on the main thread and on others.
 
     TRITON_CACHE_DIR=/tmp/empty SPECS=/tmp/specs.pkl python benchmarks/first_run_compiles.py \
         --cards 24 --variants stock pack
@@ -13,6 +15,7 @@ import collections
 import os
 import pickle
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,12 +25,92 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from vae_decode import load_pack  # noqa: E402
 
 compiles, plans, specs = [], [], []
+spans = []  # (name, on the main thread, start, seconds)
 _compile = JITFunction._do_compile
+TIMED = (
+    "comfy.model_management.load_models_gpu",
+    "comfy.model_patcher.ModelPatcher.partially_load",
+    "comfy.model_patcher.ModelPatcher.load",
+    "comfy.model_patcher.ModelPatcher.patch_weight_to_device",
+    "comfy.model_management.cast_to_device",
+    "comfy.lora.calculate_weight",
+    "comfy.float.stochastic_rounding",
+    "comfy.model_patcher.ModelPatcher.pin_weight_to_device",
+    "qwen_turbo.runtime.qwen_loader.Patcher.pin_weight_to_device",
+    "torch.cuda.synchronize",
+    "torch.cuda.graphs.CUDAGraph.capture_begin",
+    "torch.cuda.graphs.CUDAGraph.capture_end",
+    "torch.cuda.graphs.CUDAGraph.replay",
+    "triton.compiler.compiler.CompiledKernel._init_handles",
+    "triton.runtime.build._build",
+    "gc.collect",
+)
+
+
+def timed(name: str, fn):
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            main = threading.current_thread() is threading.main_thread()
+            spans.append((name, main, t, time.perf_counter() - t))
+
+    return call
+
+
+def install_timers():
+    import importlib
+
+    for path in TIMED:
+        parts = path.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                owner = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[i:-1]:
+            owner = getattr(owner, attr)
+        name = ".".join(parts[-2:])
+        setattr(owner, parts[-1], timed(name, getattr(owner, parts[-1])))
+
+
+def timeline(run_once):
+    """`run_once` with each prompt's first run's spans printed: count, total seconds on the
+    main thread and on others, and when the first began and the last ended (run seconds)."""
+    seen = set()
+
+    def run(executor, server, api, seed, filler_bytes):
+        if not seen:
+            install_timers()
+        first = id(api) not in seen
+        seen.add(id(api))
+        spans.clear()
+        t0 = time.perf_counter()
+        result = run_once(executor, server, api, seed, filler_bytes)
+        if first:
+            print(f"TIMELINE of the first run ({result['seconds']} s): name, thread, calls, "
+                  "seconds, first start, last end")  # fmt: skip
+            rows = collections.defaultdict(lambda: [0, 0.0, 1e9, 0.0])
+            for name, main, t, s in spans:
+                row = rows[(name, "main" if main else "other")]
+                row[0] += 1
+                row[1] += s
+                row[2] = min(row[2], t - t0)
+                row[3] = max(row[3], t + s - t0)
+            for (name, thread), (n, s, begin, end) in sorted(rows.items(), key=lambda r: r[1][2]):
+                print(f"  {name:36s} {thread:5s} {n:5d} {s:7.2f} s  {begin:6.2f} {end:6.2f}")
+        return result
+
+    return run
 
 
 def _timed_compile(self, key, signature, device, constexprs, options, attrs, warmup):
     t = time.perf_counter()
     kernel = _compile(self, key, signature, device, constexprs, options, attrs, warmup)
+    main = threading.current_thread() is threading.main_thread()
+    spans.append(("compile", main, t, time.perf_counter() - t))
     compiles.append((self.fn.__qualname__, time.perf_counter() - t))
     specs.append((self.fn.__module__, self.fn.__qualname__, signature, constexprs,
                   options.__dict__, attrs))  # fmt: skip
@@ -57,9 +140,13 @@ def main():
     def timed_plan(self, handle, *key):
         t = time.perf_counter()
         build(self, handle, *key)
+        main = threading.current_thread() is threading.main_thread()
+        spans.append(("cudnn plan", main, t, time.perf_counter() - t))
         plans.append((key, time.perf_counter() - t))
 
     af._Plan.__init__ = timed_plan
+    if os.environ.get("TIMELINE"):
+        card_workflow.run_once = timeline(card_workflow.run_once)
     card_workflow.main()
 
 

@@ -7,8 +7,10 @@ from the bundled workflows by `record()`, on a pool of threads, while ComfyUI lo
 (Triton's compiler releases the GIL for much of its work: those 28 took 6.6 s of wall time on 8
 threads against 12.7 s one after another, module imports included). Each
 goes through Triton's own `warmup` (its binder, options and caches), so the first real launch
-of that variant finds it compiled. A variant not listed, or one that fails to compile here
-(an older GPU), is compiled at its launch as before.
+of that variant finds it compiled; its C launcher, which Triton otherwise builds with the host's
+C compiler at the first launch (about 0.3 s a signature, on the thread that launches), is
+built into Triton's cache as well. A variant not listed, or one that
+fails to compile here (an older GPU), is compiled at its launch as before.
 
 An entry: [module, kernel, args, kwargs]; a tensor argument is {"dtype": ..., "aligned": ...}
 (its data pointer a multiple of 16 or not), any other argument its value.
@@ -33,6 +35,7 @@ MANIFEST = Path(__file__).with_name("warmup.json")
 _started: dict[int, threading.Thread] = {}  # device index -> its warm-up thread
 
 if HAS_TRITON:
+    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction, MockTensor
 
     class _Pointer(MockTensor):
@@ -102,9 +105,12 @@ def _compile(device: int, entry) -> bool:
     module, name, args, kwargs = entry
     try:
         with torch.cuda.device(device):
-            kernel(module, name).warmup(
+            compiled = kernel(module, name).warmup(
                 *map(_value, args), grid=(1,), **{k: _value(v) for k, v in kwargs.items()}
             )
+            # host code only: the kernel's load onto the GPU waits for its first launch, so
+            # no CUDA graph capture on the main thread meets a module load from here
+            driver.active.launcher_cls(compiled.src, compiled.metadata)
         return True
     except Exception as e:  # an entry this GPU or Triton can't build: compiled at launch instead
         log.debug("warm-up of %s.%s skipped: %s", module, name, e)

@@ -60,19 +60,22 @@ def test_start_does_nothing_off_cuda(tmp_path):
 
 # One process per case, each with an empty Triton cache: `record` launches two ops and saves
 # their manifest; `warm` warms up from a manifest, then launches the same ops, counting the
-# compiles before and at the launches.
+# compiles, and the builds of their C launchers, before and at the launches.
 SCRIPT = """
 import json, sys, torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[3] + "/benchmarks")
 from vae_decode import load_pack
 load_pack()
+import triton.runtime.build
 from triton.runtime.jit import JITFunction
 from qwen_turbo.kernels import fp8_linear, layernorm_modulate, warmup
 
-compiles = []
+compiles, builds = [], []
 compile = JITFunction._do_compile
 JITFunction._do_compile = lambda self, *a, **k: compiles.append(1) or compile(self, *a, **k)
+build = triton.runtime.build._build
+triton.runtime.build._build = lambda *a, **k: builds.append(1) or build(*a, **k)
 g = torch.Generator("cuda").manual_seed(0)
 x = torch.randn(1, 157, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
 mod = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -87,9 +90,10 @@ if sys.argv[1] == "record":
     warmup.save(entries, manifest)
 else:
     warmup.start(torch.device("cuda"), manifest).join()
-    ahead = len(compiles)
+    ahead, built = len(compiles), len(builds)
     ops()
-    print(json.dumps({"ahead": ahead, "at_launch": len(compiles) - ahead}))
+    print(json.dumps({"ahead": ahead, "at_launch": len(compiles) - ahead,
+                      "launchers_at_launch": len(builds) - built}))
 """
 
 
@@ -112,7 +116,8 @@ def test_gpu_warmed_up_launches_compile_nothing(tmp_path):
     recorded = len(json.loads(manifest.read_text()))
     assert recorded >= 2
     warmed = json.loads(_run(tmp_path, "warm", manifest, "cache-warm"))
-    assert warmed == {"ahead": recorded, "at_launch": 0}, warmed
+    assert warmed == {"ahead": recorded, "at_launch": 0, "launchers_at_launch": 0}, warmed
     empty.write_text("[]")
     cold = json.loads(_run(tmp_path, "warm", empty, "cache-cold"))
-    assert cold == {"ahead": 0, "at_launch": recorded}, cold
+    assert cold["ahead"] == 0 and cold["at_launch"] == recorded, cold
+    assert cold["launchers_at_launch"] >= 1, cold  # what the warm-up built ahead

@@ -1,0 +1,119 @@
+"""Copying weights from a file mapping to the GPU, as ComfyUI v0.33's dynamic VRAM leaves them.
+
+With comfy-aimdo the state dict's tensors are views of a mapping of the model file; ComfyUI's
+ModelPatcher.load then copies each weight with `.to(device)` and synchronizes per module. Each
+variant maps the file afresh (in the OS cache, as after the first run of a session):
+  pageable      `.to("cuda")` per weight, a synchronize after each (ModelPatcher.load)
+  populated     the mapping's page tables filled first (madvise MADV_POPULATE_READ), then
+                the same copies; the populate's own time is counted
+  alongside     the populate on another thread, ahead of the same copies
+Weights are sized as the DiT's fp8 matrices (four 3072x3072 and two 3072x12288 per block).
+Prints a table and JSON on the last line.
+
+    python benchmarks/mapped_load.py --gib 19
+"""
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+GiB = 2**30
+MADV_POPULATE_READ = 22  # Linux 5.14
+PAGE = mmap.PAGESIZE
+BLOCK = [3072 * 3072] * 4 + [3072 * 12288] * 2  # bytes of one block's fp8 matrices
+
+
+def write_file(path: Path, gib: float) -> None:
+    import torch
+
+    if path.exists() and path.stat().st_size >= gib * GiB:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        left = int(gib * GiB)
+        while left:
+            n = min(left, GiB)
+            f.write(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda").cpu().numpy())
+            left -= n
+
+
+def pieces(size: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of each weight in a file of `size` bytes."""
+    out, offset, i = [], 0, 0
+    while offset + BLOCK[i % len(BLOCK)] <= size:
+        out.append((offset, BLOCK[i % len(BLOCK)]))
+        offset += BLOCK[i % len(BLOCK)]
+        i += 1
+    return out
+
+
+def populate(address: int, spans: list[tuple[int, int]]) -> bool:
+    """Fills the page tables of each span of the mapping at `address`; False if refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for offset, n in spans:
+        start = (address + offset) // PAGE * PAGE
+        if libc.madvise(start, address + offset + n - start, MADV_POPULATE_READ) != 0:
+            return False
+    return True
+
+
+def run(path: Path, variant: str) -> dict:
+    import torch
+
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    spans = pieces(len(m))
+    everything = torch.frombuffer(m, dtype=torch.uint8)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ok, helper = True, None
+    if variant == "populated":
+        ok = populate(address, spans)
+    elif variant == "alongside":
+        helper = threading.Thread(target=populate, args=(address, spans))
+        helper.start()
+    t1 = time.perf_counter()
+    out = []
+    for offset, n in spans:
+        out.append(everything[offset : offset + n].to("cuda"))
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    if helper:
+        helper.join()
+    moved = sum(n for _, n in spans)
+    del out, everything
+    return {"variant": variant, "gib": round(moved / GiB, 2), "populate_ok": ok,
+            "populate_s": round(t1 - t0, 2), "seconds": round(seconds, 2),
+            "gb_per_s": round(moved / seconds / 1e9, 2)}  # fmt: skip
+
+
+def main():
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=19)
+    p.add_argument("--path", default="/tmp/qwen-turbo-models/mapped_load.bin")
+    p.add_argument("--variants", nargs="+", default=["pageable", "populated", "alongside"])
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    path = Path(a.path)
+    write_file(path, a.gib)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernel {os.uname().release}")
+    rows = [run(path, v) for _ in range(a.repeats) for v in a.variants]
+    print(f"{'variant':10s} {'GiB':>6s} {'populate':>9s} {'total':>7s} {'GB/s':>6s}")
+    for r in rows:
+        refused = "" if r["populate_ok"] else "  (populate refused)"
+        print(f"{r['variant']:10s} {r['gib']:6.2f} {r['populate_s']:8.2f}s {r['seconds']:6.2f}s "
+              f"{r['gb_per_s']:6.2f}{refused}")  # fmt: skip
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
