@@ -3,8 +3,9 @@
 Takes card_workflow.py's arguments; prints the compiles per kernel and the plans at exit. With
 SPECS=path, also pickles each compile's specialization there, for parallel_compile.py. Use a
 new TRITON_CACHE_DIR for a new install's first run. With TIMELINE=1, also prints where each
-variant's first run spent its time: model loads, pinning, synchronizes, graph capture, Triton's
-kernel loads and launcher builds, on the main thread and on others.
+variant's first run spent its time: model loads, weight copies, LoRA merges, pinning,
+synchronizes, graph capture, cuDNN plans, Triton's compiles, kernel loads and launcher builds,
+on the main thread and on others.
 
     TRITON_CACHE_DIR=/tmp/empty SPECS=/tmp/specs.pkl python benchmarks/first_run_compiles.py \
         --cards 24 --variants stock pack
@@ -43,7 +44,6 @@ TIMED = (
     "torch.cuda.graphs.CUDAGraph.replay",
     "triton.compiler.compiler.CompiledKernel._init_handles",
     "triton.runtime.build._build",
-    "gc.collect",
 )
 
 

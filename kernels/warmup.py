@@ -9,8 +9,8 @@ threads against 12.7 s one after another, module imports included). Each
 goes through Triton's own `warmup` (its binder, options and caches), so the first real launch
 of that variant finds it compiled; its C launcher, which Triton otherwise builds with the host's
 C compiler at the first launch (about 0.3 s a signature, on the thread that launches), is
-built into Triton's cache as well. A variant not listed, or one that
-fails to compile here (an older GPU), is compiled at its launch as before.
+built into Triton's cache as well. A variant not listed, or one that fails to compile here (an
+older GPU), is compiled at its launch as before.
 
 An entry: [module, kernel, args, kwargs]; a tensor argument is {"dtype": ..., "aligned": ...}
 (its data pointer a multiple of 16 or not), any other argument its value.
