@@ -47,14 +47,20 @@ TIMED = (
 )
 
 
+def span(name: str, t: float) -> float:
+    """Records a span `name` from `t` to now, on this thread; returns its seconds."""
+    seconds = time.perf_counter() - t
+    spans.append((name, threading.current_thread() is threading.main_thread(), t, seconds))
+    return seconds
+
+
 def timed(name: str, fn):
     def call(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            main = threading.current_thread() is threading.main_thread()
-            spans.append((name, main, t, time.perf_counter() - t))
+            span(name, t)
 
     return call
 
@@ -110,9 +116,7 @@ def timeline(run_once):
 def _timed_compile(self, key, signature, device, constexprs, options, attrs, warmup):
     t = time.perf_counter()
     kernel = _compile(self, key, signature, device, constexprs, options, attrs, warmup)
-    main = threading.current_thread() is threading.main_thread()
-    spans.append(("compile", main, t, time.perf_counter() - t))
-    compiles.append((self.fn.__qualname__, time.perf_counter() - t))
+    compiles.append((self.fn.__qualname__, span("compile", t)))
     specs.append((self.fn.__module__, self.fn.__qualname__, signature, constexprs,
                   options.__dict__, attrs))  # fmt: skip
     return kernel
@@ -141,9 +145,7 @@ def main():
     def timed_plan(self, handle, *key):
         t = time.perf_counter()
         build(self, handle, *key)
-        main = threading.current_thread() is threading.main_thread()
-        spans.append(("cudnn plan", main, t, time.perf_counter() - t))
-        plans.append((key, time.perf_counter() - t))
+        plans.append((key, span("cudnn plan", t)))
 
     af._Plan.__init__ = timed_plan
     if os.environ.get("TIMELINE"):
