@@ -7,6 +7,11 @@ variant maps the file afresh (in the OS cache, as after the first run of a sessi
   populated     the mapping's page tables filled first (madvise MADV_POPULATE_READ), then
                 the same copies; the populate's own time is counted
   alongside     the populate on another thread, ahead of the same copies
+  staged        each weight copied into a page-locked buffer (torch's threaded CPU copy),
+                then to the GPU from there; a synchronize after each
+  aimdo         each weight read from the file straight to the GPU by comfy-aimdo's file
+                reader (`read_file_to_device`, what v0.33's dynamic loading uses); a
+                synchronize after each. Needs comfy-aimdo.
 Weights are sized as the DiT's fp8 matrices (four 3072x3072 and two 3072x12288 per block).
 Prints a table and JSON on the last line.
 
@@ -81,13 +86,36 @@ def run(path: Path, variant: str) -> dict:
         helper.start()
     t1 = time.perf_counter()
     out = []
+    if variant == "aimdo":
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()  # before host_buffer's import, which binds its library
+        comfy_aimdo.control.init_devices([torch.cuda.current_device()])
+        import comfy_aimdo.host_buffer
+
+        fd = os.open(path, os.O_RDONLY)
+        t0 = t1 = time.perf_counter()  # the reader's setup is not the copies'
+    if variant == "staged":
+        slot = torch.empty(max(BLOCK), dtype=torch.uint8, pin_memory=True)
     for offset, n in spans:
-        out.append(everything[offset : offset + n].to("cuda"))
+        if variant == "aimdo":
+            out.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+            comfy_aimdo.host_buffer.read_file_to_device(
+                fd, offset, n, 0, out[-1].data_ptr(), 0, mark_cold=False
+            )
+        elif variant == "staged":
+            slot[:n].copy_(everything[offset : offset + n])
+            out.append(slot[:n].to("cuda", non_blocking=True))
+        else:
+            out.append(everything[offset : offset + n].to("cuda"))
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    if variant == "aimdo":
+        os.close(fd)
     if helper:
         helper.join()
     moved = sum(n for _, n in spans)
+    assert torch.equal(out[-1].cpu(), everything[spans[-1][0] : sum(spans[-1])])
     del out, everything
     return {"variant": variant, "gib": round(moved / GiB, 2), "populate_ok": ok,
             "populate_s": round(t1 - t0, 2), "seconds": round(seconds, 2),
@@ -100,15 +128,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=19)
     p.add_argument("--path", default="/tmp/qwen-turbo-models/mapped_load.bin")
-    p.add_argument("--variants", nargs="+", default=["pageable", "populated", "alongside"])
+    p.add_argument(
+        "--variants", nargs="+", default=["pageable", "populated", "alongside", "staged", "aimdo"]
+    )
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
     path = Path(a.path)
     write_file(path, a.gib)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernel {os.uname().release}")
-    rows = [run(path, v) for _ in range(a.repeats) for v in a.variants]
     print(f"{'variant':10s} {'GiB':>6s} {'populate':>9s} {'total':>7s} {'GB/s':>6s}")
-    for r in rows:
+    rows = []
+    for v in [v for _ in range(a.repeats) for v in a.variants]:
+        rows.append(r := run(path, v))
         refused = "" if r["populate_ok"] else "  (populate refused)"
         print(f"{r['variant']:10s} {r['gib']:6.2f} {r['populate_s']:8.2f}s {r['seconds']:6.2f}s "
               f"{r['gb_per_s']:6.2f}{refused}")  # fmt: skip

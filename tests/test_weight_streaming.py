@@ -1,16 +1,20 @@
 """Weight streaming on a partly loaded Optimized Loader model: each block's offloaded fp8 weights
 copied ahead give ComfyUI's own per-layer copies' result, with and without a LoRA, and every
-fallback (no room, no pinned memory, a layer reloaded) still gives it."""
+fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to the GPU
+through the page-locked buffer gives ComfyUI's own load's weights."""
 
 import time
 
+import comfy.cli_args
 import comfy.model_management as mm
 import comfy.sd
+import comfy.utils
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from qwen_turbo import runtime
+from qwen_turbo.kernels.fp8_linear import FP8
 from qwen_turbo.runtime import qwen_dit, qwen_loader, weight_streaming
 from tests.harness import models
 
@@ -184,3 +188,60 @@ def test_streaming_full_width_on_gpu(lora):
         rel, rel_without = (((o - loaded).norm() / loaded.norm()).item() for o in (got, without))
         print(f"rel. L2 to the loaded model: {rel:.2e}, without the LoRA {rel_without:.2e}")
         assert rel < 3e-2 and rel < rel_without / 4
+
+
+def test_uploader_stages_large_plain_host_tensors():
+    """Through the buffer: contiguous host tensors of 1 MiB and more. Smaller ones, strided
+    views and tensor subclasses (quantized layouts) take ComfyUI's `.to()`."""
+    big = torch.zeros(weight_streaming.STAGE_MIN, dtype=torch.uint8).view(FP8)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert weight_streaming.Uploader.stages(big)
+    assert weight_streaming.Uploader.stages(torch.nn.Parameter(big, requires_grad=False))
+    assert not weight_streaming.Uploader.stages(big[:-1])
+    assert not weight_streaming.Uploader.stages(big.view(1024, 1024).t())
+    assert not weight_streaming.Uploader.stages(big.as_subclass(Subclass))
+    assert not weight_streaming.Uploader.stages(big.to("meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
+def test_load_to_gpu_through_the_buffer_gives_comfyui_load(monkeypatch, weight_dtype):
+    """The full-width layer with a LoRA on some weights, loaded onto the GPU: its large
+    weights go through the page-locked buffer, and every weight comes out bit for bit as
+    ComfyUI's own copies make it (the buffer off, as `--disable-pinned-memory` turns it
+    off). Unloading gives each patched weight back its host tensor itself."""
+    sd = load_file(str(models.qwen_dit_file()))
+    lora = load_file(str(models.full_lora_file()))
+    staged, upload = [], weight_streaming.Uploader.to
+    monkeypatch.setattr(
+        weight_streaming.Uploader, "to", lambda s, t, d: staged.append(t.nbytes) or upload(s, t, d)
+    )
+
+    def load(pinned: bool):
+        monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", not pinned, raising=False)
+        patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weight_dtype)
+        patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+        host = patcher.model.state_dict()
+        staged.clear()
+        with torch.inference_mode():
+            patcher.load(torch.device("cuda"))
+            assert all(p.device.type == "cuda" for p in patcher.model.parameters())
+            loaded = {k: v.cpu().reshape(-1).view(torch.uint8) for k, v in
+                      patcher.model.state_dict().items()}  # fmt: skip
+            patcher.unpatch_model(torch.device("cpu"))
+        assert patcher.patches
+        for key in patcher.patches:
+            assert comfy.utils.get_attr(patcher.model, key).data_ptr() == host[key].data_ptr()
+        large = [t.nbytes for t in host.values() if t.nbytes >= weight_streaming.STAGE_MIN]
+        return loaded, len(staged), len(large)
+
+    ours, uploads, large = load(pinned=True)
+    theirs, none, _ = load(pinned=False)
+    assert uploads == large > 0 and none == 0
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
