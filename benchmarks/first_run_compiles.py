@@ -38,6 +38,7 @@ TIMED = (
     "comfy.float.stochastic_rounding",
     "comfy.model_patcher.ModelPatcher.pin_weight_to_device",
     "qwen_turbo.runtime.qwen_loader.Patcher.pin_weight_to_device",
+    "qwen_turbo.runtime.weight_streaming.Uploader.to",
     "torch.cuda.synchronize",
     "torch.cuda.graphs.CUDAGraph.capture_begin",
     "torch.cuda.graphs.CUDAGraph.capture_end",
