@@ -7,25 +7,34 @@ variant maps the file afresh (in the OS cache, as after the first run of a sessi
   populated     the mapping's page tables filled first (madvise MADV_POPULATE_READ), then
                 the same copies; the populate's own time is counted
   alongside     the populate on another thread, ahead of the same copies
-  staged        each weight copied into a page-locked buffer (torch's threaded CPU copy),
-                then to the GPU from there; a synchronize after each
+  staged        the Optimized Loader's copy (runtime/weight_streaming.Uploader): each
+                weight copied into a page-locked buffer by a few threads, then to the GPU
+                from there; a synchronize after each
   aimdo         each weight read from the file straight to the GPU by comfy-aimdo's file
                 reader (`read_file_to_device`, what v0.33's dynamic loading uses); a
                 synchronize after each. Needs comfy-aimdo.
 Weights are sized as the DiT's fp8 matrices (four 3072x3072 and two 3072x12288 per block).
+With --busy N, N processes keep as many cores busy meanwhile (as the Optimized Loader's
+kernel warm-up does during a first run's load).
 Prints a table and JSON on the last line.
 
     python benchmarks/mapped_load.py --gib 19
 """
 
 import argparse
+import atexit
 import ctypes
 import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vae_decode import load_pack  # noqa: E402
 
 GiB = 2**30
 MADV_POPULATE_READ = 22  # Linux 5.14
@@ -96,7 +105,9 @@ def run(path: Path, variant: str) -> dict:
         fd = os.open(path, os.O_RDONLY)
         t0 = t1 = time.perf_counter()  # the reader's setup is not the copies'
     if variant == "staged":
-        slot = torch.empty(max(BLOCK), dtype=torch.uint8, pin_memory=True)
+        from qwen_turbo.runtime.weight_streaming import Uploader
+
+        uploader = Uploader(max(BLOCK))
     for offset, n in spans:
         if variant == "aimdo":
             out.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
@@ -104,14 +115,15 @@ def run(path: Path, variant: str) -> dict:
                 fd, offset, n, 0, out[-1].data_ptr(), 0, mark_cold=False
             )
         elif variant == "staged":
-            slot[:n].copy_(everything[offset : offset + n])
-            out.append(slot[:n].to("cuda", non_blocking=True))
+            out.append(uploader.to(everything[offset : offset + n], torch.device("cuda")))
         else:
             out.append(everything[offset : offset + n].to("cuda"))
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     if variant == "aimdo":
         os.close(fd)
+    if variant == "staged":
+        uploader.close()
     if helper:
         helper.join()
     moved = sum(n for _, n in spans)
@@ -125,6 +137,7 @@ def run(path: Path, variant: str) -> dict:
 def main():
     import torch
 
+    load_pack()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=19)
     p.add_argument("--path", default="/tmp/qwen-turbo-models/mapped_load.bin")
@@ -132,10 +145,22 @@ def main():
         "--variants", nargs="+", default=["pageable", "populated", "alongside", "staged", "aimdo"]
     )
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--busy", type=int, default=0, help="processes spinning meanwhile")
+    p.add_argument("--fill-threads", type=int, help="the Uploader's threads (staged)")
     a = p.parse_args()
+    if a.fill_threads:
+        import qwen_turbo.runtime.weight_streaming as ws
+
+        ws.FILL_THREADS = a.fill_threads
     path = Path(a.path)
     write_file(path, a.gib)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernel {os.uname().release}")
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+    atexit.register(lambda: [s.kill() for s in spin])
+    gpu, kernel = torch.cuda.get_device_name(), os.uname().release
+    print(
+        f"{gpu}, torch {torch.__version__}, kernel {kernel}, {a.busy} cores busy, "
+        f"fill threads {a.fill_threads or 'default'}"
+    )
     print(f"{'variant':10s} {'GiB':>6s} {'populate':>9s} {'total':>7s} {'GB/s':>6s}")
     rows = []
     for v in [v for _ in range(a.repeats) for v in a.variants]:

@@ -348,6 +348,8 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         try:
             return super().load(device_to, *args, **kwargs)
         finally:
+            if self.qwen_turbo_uploader is not None:
+                self.qwen_turbo_uploader.close()
             self.qwen_turbo_uploader = None
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):

@@ -19,8 +19,10 @@ layers take ComfyUI's own per-layer copies: slower, never a failure.
 
 import contextlib
 import copy
+import ctypes
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -257,18 +259,31 @@ class BlockStreamer:
 
 STAGE_MIN = 1 << 20  # smaller tensors gain too little from staging to pay its setup
 STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer small
+# Threads filling the buffer. torch's CPU copy takes every core, and with 6 of 16 busy (as a
+# first run's kernel warm-up keeps them) it fell to 2.3 GB/s, below `.to()`'s 5.6-6.4.
+FILL_THREADS = 4
 
 
 class Uploader:
-    """Host tensors copied to the GPU through one page-locked buffer: torch's threaded CPU copy
-    into it, then the transfer from it. From pageable memory (both hosts load weights as
-    views of a file mapping) `.to()` moved 6.9-7.0 GB/s on an H100, this 16.8-19.3 GB/s
-    (benchmarks/mapped_load.py, 19 GiB in the DiT's pieces, a synchronize after each)."""
+    """Host tensors copied to the GPU through one page-locked buffer: a few threads copy each
+    into it, then it crosses from there. From pageable memory (both hosts load weights as
+    views of a file mapping) `.to()` moves 5-7 GB/s on an H100; see benchmarks/mapped_load.py
+    for this one's. Close it (or use it in a `with`) to stop its threads."""
 
     def __init__(self, nbytes: int):
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.done: torch.cuda.Event | None = None  # the buffer's last transfer
+        self.pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-upload")
         self.uploads = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
     @staticmethod
     def stages(t: torch.Tensor) -> bool:
@@ -297,13 +312,25 @@ class Uploader:
     def takes(self, t: torch.Tensor) -> bool:
         return self.stages(t) and t.nbytes <= self.buffer.nbytes
 
+    def _fill(self, t: torch.Tensor) -> None:
+        """`t`'s bytes into the buffer, in page-aligned parts, one per thread (ctypes' memmove
+        lets go of the GIL)."""
+        n, src, dst = t.nbytes, t.data_ptr(), self.buffer.data_ptr()
+        part = -(-n // FILL_THREADS)  # a thread's share, rounded up to whole pages
+        part = -(-part // 4096) * 4096
+
+        def move(at: int) -> None:
+            ctypes.memmove(dst + at, src + at, min(part, n - at))
+
+        list(self.pool.map(move, range(0, n, part)))
+
     def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A copy of `t` on `device`, a CUDA device, queued on its current stream."""
         if self.done is not None:
             self.done.synchronize()
-        staged = self.buffer[: t.nbytes].view(t.dtype).view(t.shape)
-        staged.copy_(t)
+        self._fill(t)
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        staged = self.buffer[: t.nbytes].view(t.dtype).view(t.shape)
         stream = torch.cuda.current_stream(out.device)
         with torch.cuda.stream(stream):
             out.copy_(staged, non_blocking=True)

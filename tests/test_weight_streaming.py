@@ -206,6 +206,22 @@ def test_uploader_stages_large_plain_host_tensors():
     assert not weight_streaming.Uploader.stages(big.to("meta"))
 
 
+@pytest.mark.parametrize("nbytes", [2, 4097, 4098, 3 * 4096 + 2, (1 << 20) + 12345])
+def test_uploader_fill_copies_every_byte(nbytes):
+    """The threads' page-aligned parts of the buffer cover the tensor exactly, odd sizes too
+    (a host buffer here: page-locked memory needs a GPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    uploader = weight_streaming.Uploader.__new__(weight_streaming.Uploader)
+    uploader.buffer = torch.full((nbytes + 8192,), 7, dtype=torch.uint8)
+    uploader.pool = ThreadPoolExecutor(weight_streaming.FILL_THREADS)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator())
+    with uploader:
+        uploader._fill(src[1:])  # an offset into its storage
+    assert torch.equal(uploader.buffer[: nbytes - 1], src[1:])
+    assert (uploader.buffer[nbytes - 1 :] == 7).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
@@ -228,7 +244,7 @@ def test_load_to_gpu_through_the_buffer_gives_comfyui_load(monkeypatch, weight_d
         host = patcher.model.state_dict()
         staged.clear()
         with torch.inference_mode():
-            patcher.load(torch.device("cuda"))
+            patcher.load(torch.device("cuda"), full_load=True)
             assert all(p.device.type == "cuda" for p in patcher.model.parameters())
             loaded = {k: v.cpu().reshape(-1).view(torch.uint8) for k, v in
                       patcher.model.state_dict().items()}  # fmt: skip
