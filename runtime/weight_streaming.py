@@ -17,12 +17,14 @@ layers take ComfyUI's own per-layer copies: slower, never a failure.
 `Uploader` speeds up the other copies, the weights a load moves to the GPU for good.
 """
 
+import bisect
 import contextlib
 import copy
 import ctypes
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -255,6 +257,35 @@ class BlockStreamer:
 
         forward.__wrapped__ = inner  # for inspect.unwrap: what this block runs
         return forward
+
+
+def file_backed(tensors) -> set[int]:
+    """The data pointers of `tensors` that lie in a mapping of a file (Linux's
+    /proc/self/maps; an empty set elsewhere). Keeping such a tensor costs no memory of its
+    own: its pages are the OS's file cache (unless written, which loaded weights are not)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    spans: list[list[int]] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        path = fields[5] if len(fields) == 6 else ""
+        # a file's path; not memfd or /dev/shm (memory of their own) nor a deleted file
+        if not path.startswith("/") or path.startswith(("/memfd:", "/dev/")) or "(deleted)" in path:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if spans and spans[-1][1] == start:
+            spans[-1][1] = end  # one mapping split in parts
+        else:
+            spans.append([start, end])
+    starts = [start for start, _ in spans]
+    backed = set()
+    for t in tensors:
+        i = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if i >= 0 and t.data_ptr() + t.nbytes <= spans[i][1]:
+            backed.add(t.data_ptr())
+    return backed
 
 
 STAGE_MIN = 1 << 20  # smaller tensors gain too little from staging to pay its setup

@@ -11,7 +11,7 @@ import comfy.sd
 import comfy.utils
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from qwen_turbo import runtime
 from qwen_turbo.kernels.fp8_linear import FP8
@@ -206,6 +206,17 @@ def test_uploader_stages_large_plain_host_tensors():
     assert not weight_streaming.Uploader.stages(big.to("meta"))
 
 
+def test_file_backed_tells_file_mappings_from_memory(tmp_path):
+    """A tensor in a mapping of a file is file-backed, whole or as a view; one in the
+    process's own memory is not."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(range(256)) * 4096)
+    mapped = torch.from_file(str(path), shared=False, size=1 << 20, dtype=torch.uint8)
+    own = torch.zeros(1 << 20, dtype=torch.uint8)
+    backed = weight_streaming.file_backed([mapped, mapped[4096:], own])
+    assert backed == {mapped.data_ptr(), mapped[4096:].data_ptr()}
+
+
 @pytest.mark.parametrize("nbytes", [2, 4097, 4098, 3 * 4096 + 2, (1 << 20) + 12345])
 def test_uploader_fill_copies_every_byte(nbytes):
     """The threads' page-aligned parts of the buffer cover the tensor exactly, odd sizes too
@@ -222,15 +233,24 @@ def test_uploader_fill_copies_every_byte(nbytes):
     assert (uploader.buffer[nbytes - 1 :] == 7).all()
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
-def test_load_to_gpu_through_the_buffer_gives_comfyui_load(monkeypatch, weight_dtype):
-    """The full-width layer with a LoRA on some weights, loaded onto the GPU: its large
-    weights go through the page-locked buffer, and every weight comes out bit for bit as
-    ComfyUI's own copies make it (the buffer off, as `--disable-pinned-memory` turns it
-    off). Unloading gives each patched weight back its host tensor itself."""
+def test_load_to_gpu_through_the_buffer_gives_comfyui_load(tmp_path, monkeypatch, weight_dtype):
+    """The full-width layer from an fp8 file (as the repackaged checkpoint), a LoRA on some
+    weights, loaded onto the GPU: its large weights go through the page-locked buffer, and
+    every weight comes out bit for bit as ComfyUI's own copies make it (the buffer off, as
+    `--disable-pinned-memory` turns it off). Unloaded, each patched weight gets its host
+    tensor back, and so does each other weight copied out of the file mapping (fp8 storage:
+    the file's own tensors), with no copy back from the GPU; bf16 storage dequantizes, so
+    those come back as copies, as with ComfyUI's load."""
     sd = load_file(str(models.qwen_dit_file()))
+    sd = {k: v.to(FP8) if v.ndim == 2 and min(v.shape) >= 1024 else v for k, v in sd.items()}
+    save_file(sd, str(tmp_path / "fp8.safetensors"))
     lora = load_file(str(models.full_lora_file()))
     staged, upload = [], weight_streaming.Uploader.to
     monkeypatch.setattr(
@@ -239,24 +259,33 @@ def test_load_to_gpu_through_the_buffer_gives_comfyui_load(monkeypatch, weight_d
 
     def load(pinned: bool):
         monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", not pinned, raising=False)
-        patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weight_dtype)
+        sd = comfy.utils.load_torch_file(str(tmp_path / "fp8.safetensors"))
+        patcher = qwen_loader.build(sd, qwen_dit.read_config(sd), weight_dtype)
         patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
         host = patcher.model.state_dict()
+        large = [k for k, t in host.items() if t.nbytes >= weight_streaming.STAGE_MIN]
+        backed = weight_streaming.file_backed(host[k] for k in large if k not in patcher.patches)
         staged.clear()
         with torch.inference_mode():
             patcher.load(torch.device("cuda"), full_load=True)
             assert all(p.device.type == "cuda" for p in patcher.model.parameters())
-            loaded = {k: v.cpu().reshape(-1).view(torch.uint8) for k, v in
-                      patcher.model.state_dict().items()}  # fmt: skip
+            loaded = {k: _bytes(v.cpu()) for k, v in patcher.model.state_dict().items()}
             patcher.unpatch_model(torch.device("cpu"))
         assert patcher.patches
-        for key in patcher.patches:
-            assert comfy.utils.get_attr(patcher.model, key).data_ptr() == host[key].data_ptr()
-        large = [t.nbytes for t in host.values() if t.nbytes >= weight_streaming.STAGE_MIN]
-        return loaded, len(staged), len(large)
+        restored = set()
+        for key, t in patcher.model.state_dict().items():
+            assert t.device.type == "cpu"
+            assert torch.equal(_bytes(t), _bytes(host[key])), key
+            if t.data_ptr() == host[key].data_ptr():
+                restored.add(host[key].data_ptr())
+        assert {host[k].data_ptr() for k in patcher.patches} <= restored
+        return loaded, len(staged), len(large), backed, restored
 
-    ours, uploads, large = load(pinned=True)
-    theirs, none, _ = load(pinned=False)
+    ours, uploads, large, backed, restored = load(pinned=True)
+    assert (len(backed) > 0) == (weight_dtype == "fp8_e4m3fn")
+    assert backed <= restored
+    theirs, none, _, backed, restored = load(pinned=False)
+    assert not backed & restored  # ComfyUI's own load copies them back
     assert uploads == large > 0 and none == 0
     assert ours.keys() == theirs.keys()
     for key in ours:
