@@ -369,7 +369,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
                 host = weight.data
                 weight.data = uploader.to(weight, device_to)
                 if host.data_ptr() in self.qwen_turbo_backed:
-                    self.model.qwen_turbo_hosts[key] = (host, weight.data_ptr(), weight._version)
+                    self.model.qwen_turbo_hosts[key] = (host, weight.data_ptr())
             elif key not in self.backup:
                 self.backup[key] = Backup(weight, False)
                 comfy.utils.set_attr_param(self.model, key, uploader.to(weight, device_to))
@@ -377,16 +377,17 @@ class Patcher(comfy.model_patcher.ModelPatcher):
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         """ComfyUI's. A weight the load copied out of a file mapping goes back to its place
-        there instead of being copied back from the GPU, where its GPU copy is still the
-        weight: the same tensor at the same version. (ComfyUI writes weights in place through
-        `.data`, which no version counter sees, only where they have patches: never kept.)"""
+        there instead of being copied back from the GPU, while its GPU copy is still the
+        weight's tensor. A weight without patches keeps the file's values: ComfyUI writes
+        weights in place only where it patches them (those are never kept), and no version
+        counter could tell otherwise (the executor's tensors are inference tensors, and
+        ComfyUI writes through `.data`)."""
         hosts = getattr(self.model, "qwen_turbo_hosts", None)
         to_host = device_to is not None and torch.device(device_to).type == "cpu"
         if hosts and unpatch_weights and to_host:
-            for key, (host, ptr, version) in hosts.items():
+            for key, (host, ptr) in hosts.items():
                 weight = comfy.utils.get_attr(self.model, key)
-                same = (weight.data_ptr(), weight._version) == (ptr, version)
-                if same and key not in self.backup:
+                if weight.data_ptr() == ptr and key not in self.backup:
                     weight.data = host
             hosts.clear()
         return super().unpatch_model(device_to, unpatch_weights)
@@ -433,7 +434,7 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
                  "model loads through ComfyUI's standard partial loading, whose offloaded "
                  "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
-    model.qwen_turbo_hosts = {}  # key: (host tensor, its GPU copy's data pointer, version)
+    model.qwen_turbo_hosts = {}  # key: (host tensor in a file mapping, its GPU copy's pointer)
     patcher = Patcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher

@@ -260,8 +260,9 @@ def test_load_to_gpu_through_the_buffer_gives_comfyui_load(tmp_path, monkeypatch
     def load(pinned: bool):
         monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", not pinned, raising=False)
         sd = comfy.utils.load_torch_file(str(tmp_path / "fp8.safetensors"))
-        patcher = qwen_loader.build(sd, qwen_dit.read_config(sd), weight_dtype)
-        patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+        with torch.inference_mode():  # as the executor runs the loaders: inference tensors
+            patcher = qwen_loader.build(sd, qwen_dit.read_config(sd), weight_dtype)
+            patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
         host = patcher.model.state_dict()
         large = [k for k, t in host.items() if t.nbytes >= weight_streaming.STAGE_MIN]
         backed = weight_streaming.file_backed(host[k] for k in large if k not in patcher.patches)
