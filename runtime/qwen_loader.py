@@ -321,15 +321,24 @@ def check_host(config: qwen_dit.DiTConfig) -> None:
 Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 
 
+class HostCopies(dict):
+    """Key: (a weight's host tensor in a file mapping, the data pointer of its GPU copy), for
+    the weights on the GPU that have one (`model.qwen_turbo_hosts`). A deep copy of the model
+    (ComfyUI's multi-GPU clones) starts with none: its weights are its own."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+
 class Patcher(comfy.model_patcher.ModelPatcher):
     """ComfyUI's ModelPatcher for the Optimized Loader's model.
 
-    Its loads to a GPU copy the weights through a page-locked buffer (weight_streaming.
+    A load to the GPU copies the weights through a page-locked buffer (weight_streaming.
     Uploader): ComfyUI's `.to()` of a weight in a file mapping, on both hosts, is a pageable
     copy at a third of the speed. The rest of the load is ComfyUI's. A weight so copied out of
-    a file mapping, without patches, keeps its place in the mapping
-    (`model.qwen_turbo_hosts`): unloading it takes no copy back from the GPU, which for the
-    whole DiT (ComfyUI unloads it whenever a LoRA is switched on) is 19 GiB.
+    a file mapping, without patches, keeps its place in the mapping (`HostCopies`): unloading
+    it takes no copy back from the GPU, which for the whole DiT (ComfyUI unloads it whenever
+    a LoRA is switched on) is 19 GiB.
 
     With v0.33's dynamic VRAM the fp8 layers hold views of comfy-aimdo's file mapping
     (`model.qwen_turbo_mapped`: their data pointers), which the driver cannot page-lock:
@@ -434,7 +443,7 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
                  "model loads through ComfyUI's standard partial loading, whose offloaded "
                  "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
-    model.qwen_turbo_hosts = {}  # key: (host tensor in a file mapping, its GPU copy's pointer)
+    model.qwen_turbo_hosts = HostCopies()
     patcher = Patcher(model, load_device, offload_device)
     patcher.qwen_turbo_weights = mode
     return patcher

@@ -305,7 +305,6 @@ class Uploader:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.done: torch.cuda.Event | None = None  # the buffer's last transfer
         self.pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-upload")
-        self.uploads = 0
 
     def __enter__(self):
         return self
@@ -367,5 +366,4 @@ class Uploader:
             out.copy_(staged, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record(stream)
-        self.uploads += 1
         return out

@@ -3,6 +3,7 @@ copied ahead give ComfyUI's own per-layer copies' result, with and without a LoR
 fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to the GPU
 through the page-locked buffer gives ComfyUI's own load's weights."""
 
+import copy
 import time
 
 import comfy.cli_args
@@ -188,6 +189,15 @@ def test_streaming_full_width_on_gpu(lora):
         rel, rel_without = (((o - loaded).norm() / loaded.norm()).item() for o in (got, without))
         print(f"rel. L2 to the loaded model: {rel:.2e}, without the LoRA {rel_without:.2e}")
         assert rel < 3e-2 and rel < rel_without / 4
+
+
+def test_host_copies_are_not_deep_copied():
+    """A deep copy of the model (ComfyUI's multi-GPU clones) holds no host tensors of the
+    original's: keeping them would copy the file's pages into memory."""
+    model = torch.nn.Linear(2, 2)
+    model.qwen_turbo_hosts = qwen_loader.HostCopies(w=(torch.zeros(4), 1234))
+    assert copy.deepcopy(model).qwen_turbo_hosts == {}
+    assert model.qwen_turbo_hosts["w"][1] == 1234
 
 
 def test_uploader_stages_large_plain_host_tensors():
