@@ -291,7 +291,7 @@ def file_backed(tensors) -> set[int]:
 STAGE_MIN = 1 << 20  # smaller tensors gain too little from staging to pay its setup
 STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer small
 # Threads filling the buffer. torch's CPU copy takes every core, and with 6 of 16 busy (as a
-# first run's kernel warm-up keeps them) it fell to 2.3 GB/s, below `.to()`'s 5.6-6.4.
+# first run's kernel warm-up keeps them) it fell to 2.3 GB/s, below `.to()`'s 5.6-6.7.
 FILL_THREADS = 4
 
 
