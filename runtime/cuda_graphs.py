@@ -140,6 +140,12 @@ def cache_for(model: torch.nn.Module) -> GraphCache:
     return _caches[model]
 
 
+def _own_caches(model: torch.nn.Module) -> list[GraphCache]:
+    """The caches of a model and of its diffusion model."""
+    models = (model, getattr(model, "diffusion_model", None))
+    return [_caches[m] for m in models if m is not None and m in _caches]
+
+
 def free_graphs(model: torch.nn.Module) -> None:
     """Release a model's graphs, its diffusion model's included, and their memory pools (on
     unload)."""
@@ -147,6 +153,16 @@ def free_graphs(model: torch.nn.Module) -> None:
         cache = _caches.pop(m, None) if m is not None else None
         if cache is not None:
             cache.clear()
+
+
+def drop_graphs(model: torch.nn.Module) -> int:
+    """Drop a model's cached graphs, its diffusion model's included, keeping its counters;
+    the bytes their pools held."""
+    freed = 0
+    for cache in _own_caches(model):
+        freed += sum(g.nbytes for g in cache.graphs.values())
+        cache.graphs.clear()
+    return freed
 
 
 def held_bytes() -> int:

@@ -33,7 +33,7 @@ from ..kernels.fp8_linear import (
     gelu_tanh,
     quantize_rows,
 )
-from . import host, log_once, qwen_dit, weight_streaming
+from . import cuda_graphs, host, log_once, qwen_dit, weight_streaming
 from .attention import attention_override
 
 log = logging.getLogger(__name__)
@@ -400,6 +400,24 @@ class Patcher(comfy.model_patcher.ModelPatcher):
                     weight.data = host
             hosts.clear()
         return super().unpatch_model(device_to, unpatch_weights)
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        """ComfyUI's, after this model's cached CUDA graphs are dropped: ComfyUI asks a model
+        for room this way, the graphs point at weights about to move, and ComfyUI cannot see
+        them. What their release adds to ComfyUI's free count (it already counts their
+        pools' unused memory) is taken off what the weights must free."""
+        before = mm.get_free_memory(self.load_device)
+        if not cuda_graphs.drop_graphs(self.model):
+            return super().partially_unload(device_to, memory_to_free, *args, **kwargs)
+        mm.soft_empty_cache()
+        gained = max(0, mm.get_free_memory(self.load_device) - before)
+        log_once(log, logging.INFO, "Optimized Loader: ComfyUI asked the model for room; its "
+                 "cached CUDA graphs went first, before any weight")  # fmt: skip
+        if gained >= memory_to_free:
+            return gained
+        return gained + super().partially_unload(
+            device_to, memory_to_free - gained, *args, **kwargs
+        )
 
     def pin_weight_to_device(self, key):
         mapped = getattr(self.model, "qwen_turbo_mapped", None)

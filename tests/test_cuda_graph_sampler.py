@@ -10,6 +10,8 @@ import logging
 from pathlib import Path
 
 import comfy.conds
+import comfy.model_management as mm
+import comfy.model_patcher
 import comfy.model_sampling
 import comfy.sd
 import pytest
@@ -22,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import cuda_graphs
+from qwen_turbo.runtime import cuda_graphs, qwen_loader
 from tests.harness import models
 
 
@@ -311,6 +313,39 @@ def test_graphs_stay_after_a_run_only_with_room_beside_them(dit, monkeypatch, fr
     assert cuda_graphs.held_bytes() == (100 if free == 4000 else 0)
     _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
     assert status.startswith("replayed 2" if free == 4000 else "captured 1, replayed 1"), status
+
+
+@pytest.mark.parametrize("gain", [150, 50])
+def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkeypatch, gain):
+    """ComfyUI makes room by asking a model to free `memory_to_free` bytes (LoadedModel.
+    model_unload → partially_unload). The Optimized Loader's model drops its cached graphs
+    first; what that adds to ComfyUI's free count (`gain`) is taken off what its weights must
+    free: of 100 bytes asked, none with 150 gained, 50 with 50."""
+    loaded = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_file()))
+    model = ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    cuda_graphs.release_all()
+    graph_sampler.sample_with_graphs(model, False, FakeGraphs, *args)
+    assert cuda_graphs.held_bytes() == 100
+
+    def free(device=None, torch_free_too=False):
+        return 1000 + (0 if cuda_graphs.held_bytes() else gain)
+
+    asked = []
+
+    def weights_free(self, device_to, memory_to_free=0, *args, **kwargs):
+        asked.append(memory_to_free)
+        return memory_to_free
+
+    monkeypatch.setattr(mm, "get_free_memory", free)
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_unload", weights_free)
+    freed = model.partially_unload(model.offload_device, 100)
+    assert cuda_graphs.held_bytes() == 0
+    assert asked == ([] if gain >= 100 else [100 - gain])
+    assert freed == max(gain, 100)
+    # no graphs left: the weights free all of it
+    assert model.partially_unload(model.offload_device, 100) == 100 and asked[-1] == 100
 
 
 def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, monkeypatch):
