@@ -46,7 +46,9 @@ STOCK = {
                                                         "vae": i["vae"]}),
     "QwenTurboVAEEncodeTiled": ("VAEEncode", lambda i: {"pixels": i["pixels"],
                                                         "vae": i["vae"]}),
+    "QwenTurboSaveImage": ("SaveImage", dict),
 }  # fmt: skip
+SAVES = ("SaveImage", "QwenTurboSaveImage")
 PATCHES = ("QwenTurboFusedNormPatch", "QwenTurboTextureUpsample")
 PICTURE = (1536, 2048)  # (height, width) of LoadImage's random picture
 
@@ -229,7 +231,7 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         torch.cuda.synchronize()
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     t0 = time.perf_counter()
-    outputs = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
+    outputs = [k for k, n in api.items() if n["class_type"] in SAVES]
     executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
     if cuda:
         torch.cuda.synchronize()

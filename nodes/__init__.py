@@ -6,6 +6,7 @@ from typing_extensions import override
 from .graph_sampler import CUDAGraphSampler
 from .loader import Loader
 from .multigpu import MultiGPU
+from .save_image import SaveImage
 from .vae_patches import FusedNormPatch, TextureUpsample
 from .vae_tiling import VAEDecodeTiled, VAEEncodeTiled
 
@@ -17,6 +18,7 @@ NODES: list[type[io.ComfyNode]] = [
     VAEDecodeTiled,
     VAEEncodeTiled,
     MultiGPU,
+    SaveImage,
 ]
 
 

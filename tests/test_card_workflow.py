@@ -77,11 +77,12 @@ def test_graphs_validate_at_full_size(comfy, path):
             execution.validate_prompt("card", api, None)
         )
         assert valid and not node_errors, (variant, error, node_errors)
-        assert [api[k]["class_type"] for k in outputs] == ["SaveImage"]
+        save = "SaveImage" if variant == "stock" else "QwenTurboSaveImage"
+        assert [api[k]["class_type"] for k in outputs] == [save]
     kinds = {v: {n["class_type"] for n in api.values()} for v, api in variants.items()}
     assert not kinds["stock"] & {"QwenTurboLoader", "QwenTurboCUDAGraphSampler",
                                  "QwenTurboVAEDecodeTiled", "QwenTurboVAEEncodeTiled",
-                                 *card.PATCHES}  # fmt: skip
+                                 "QwenTurboSaveImage", *card.PATCHES}  # fmt: skip
     assert "TextEncodeQwenImageEditPlus" not in kinds["pack"] | kinds["stock"]
     assert not {"CLIPLoader", "CLIPTextEncode"} & (kinds["pack"] | kinds["stock"])
     if "edit" in path.stem:

@@ -348,6 +348,34 @@ def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkey
     assert model.partially_unload(model.offload_device, 100) == 100 and asked[-1] == 100
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_room_asked_of_the_loaders_model_on_a_gpu_comes_from_its_graphs_first():
+    """The Optimized Loader's model on a GPU with a real CUDA graph of its weights cached:
+    asked for 1 byte (ComfyUI's partially_unload), it drops the graph, whose output returns
+    to ComfyUI's free count, and every weight stays on the GPU. Asked again with no graph
+    left, it offloads weights as ComfyUI does."""
+    cuda = torch.device("cuda")
+    with torch.inference_mode():  # as the executor runs nodes
+        model = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_file()))
+        model.load_device = cuda
+        model.load(cuda, full_load=True)
+        w = model.model.diffusion_model.img_in.weight
+        x = torch.randn((4096, w.shape[1]), device=cuda, dtype=w.dtype)
+        replay, out, nbytes, _ = cuda_graphs.CudaGraphs.capture(lambda: x @ w.t())
+        cuda_graphs.release_all()
+        graph = cuda_graphs.Graph(replay, [x], out, nbytes)
+        cuda_graphs.cache_for(model.model.diffusion_model).put(("test",), graph)
+        del graph, out
+        assert cuda_graphs.held_bytes() == nbytes > 0
+        assert model.partially_unload(model.offload_device, 1) >= 1
+        assert cuda_graphs.held_bytes() == 0
+        assert all(p.device == cuda for p in model.model.parameters())
+        assert model.partially_unload(model.offload_device, 1) >= 1
+        assert any(p.device.type == "cpu" for p in model.model.parameters())
+        model.unpatch_model(torch.device("cpu"))
+
+
 def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, monkeypatch):
     """The run again asks ComfyUI for its own activation estimate, where the model had a
     smaller one (as the Optimized Loader's has), and the model keeps its own afterwards."""

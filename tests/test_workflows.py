@@ -202,7 +202,7 @@ def test_workflow_runs_on_tiny_models(comfy_server, models_dir, path):
             comfy_server.run(api)
         return
     entry = comfy_server.run(api)
-    (save,) = [k for k, n in api.items() if n["class_type"] == "SaveImage"]
+    (save,) = [k for k, n in api.items() if n["class_type"] == "QwenTurboSaveImage"]
     (image,) = comfy_server.images(entry, save)
     pixels = np.asarray(Image.open(image).convert("RGB"))
     side = SCALED[1328 if path.stem.endswith("1328px") else 2512]

@@ -102,11 +102,17 @@ class ComfyServer:
             raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode()}") from e
 
     def run(
-        self, prompt: dict, timeout: float = 600.0, client_id: str = "qwen-turbo-tests"
+        self,
+        prompt: dict,
+        timeout: float = 600.0,
+        client_id: str = "qwen-turbo-tests",
+        extra_data: dict | None = None,
     ) -> dict:
         """Queue an API-format prompt and wait; returns its history entry. Progress messages
-        go to the websocket client `client_id` (a browser page's, to see them there)."""
-        pid = self.post("/prompt", {"prompt": prompt, "client_id": client_id})["prompt_id"]
+        go to the websocket client `client_id` (a browser page's, to see them there);
+        `extra_data` is what the frontend sends beside the prompt (the workflow)."""
+        body = {"prompt": prompt, "client_id": client_id, "extra_data": extra_data or {}}
+        pid = self.post("/prompt", body)["prompt_id"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             hist = self.get(f"/history/{pid}")
