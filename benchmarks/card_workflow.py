@@ -355,6 +355,7 @@ def main():
         help="the Optimized Loader's settings in the pack variant (FUSED: on, off)",
     )
     p.add_argument("--capture", help="the CUDA Graph Sampler's capture mode in the pack variant")
+    p.add_argument("--budget", type=float, help="VAE Tiling's vram_budget_gb in the pack variant")
     p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
     p.add_argument(
         "--record-kernels", metavar="PATH",
@@ -379,6 +380,8 @@ def main():
     for node in variants["pack"].values():
         if a.capture and node["class_type"] == "QwenTurboCUDAGraphSampler":
             node["inputs"]["capture"] = a.capture
+        if a.budget is not None and node["class_type"] == "QwenTurboVAEDecodeTiled":
+            node["inputs"]["vram_budget_gb"] = a.budget
     write_models(models, variants["pack"])
     write_pictures(models / "input", variants["pack"])
 

@@ -128,6 +128,8 @@ def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | 
             )
         budget //= 4
         tile_size = tile_size // 2
+        # ComfyUI counted the graphs' pools as free: they go first, whatever its count says
+        cuda_graphs.release_all()
         _make_room(vae, budget)  # something grew since: ComfyUI frees what it can again
         _warn_once(f"VAE Tiling: out of memory; retrying with a {budget / GiB:.2f} GiB budget")
     return None  # not reached

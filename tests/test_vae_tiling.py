@@ -299,3 +299,31 @@ def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch
     assert seen == [1 if kept else 0]  # dropped before ComfyUI was asked
     assert bool(cache.graphs) == kept
     cuda_graphs.free_graphs(model)
+
+
+def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, monkeypatch):
+    """ComfyUI counts 64 GiB free (its count takes a graph pool's unused memory as free), so a
+    set budget keeps the sampler's cached graph; the decode runs out of memory, and the graph
+    is gone before the retry."""
+    from qwen_turbo.runtime import cuda_graphs
+
+    free = 64 * 2**30
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
+    monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
+    model = nn.Linear(2, 2)
+    cache = cuda_graphs.cache_for(model)
+    cache.put("key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**30))
+    graphs_at_run, real = [], vae_tiling.execute
+
+    def execute(plan, *a, **k):
+        graphs_at_run.append(len(cache.graphs))
+        if len(graphs_at_run) == 1:
+            raise mm.OOM_EXCEPTION("simulated")
+        return real(plan, *a, **k)
+
+    monkeypatch.setattr(vae_tiling, "execute", execute)
+    z = _latent((1, 16, 1, 9, 10), 12)
+    out = _tiled(qwen_vae, z, 0, 1.0)
+    assert graphs_at_run == [1, 0]
+    assert (out - _stock(qwen_vae, z)).abs().max() <= TOL
+    cuda_graphs.free_graphs(model)
