@@ -30,9 +30,12 @@ def _free_memory(vae, device) -> int:
     return free(device) if callable(free) else mm.get_free_memory(device)
 
 
-# What the automatic budget asks ComfyUI to make room for: a 2512² Qwen decode runs at full
-# speed in it (benchmarks/RESULTS.md). Smaller runs ask for what stock would.
-AUTO_REQUEST = 4 * GiB
+# What the automatic budget asks ComfyUI to make room for; the decode then uses all that
+# ComfyUI counts free. In the 2512² turbo workflow on a 24 GiB card (v0.33.0, H100) a decode
+# in 1 GiB took as long as in 2.9, while asking for 4 GiB had ComfyUI offload part of the DiT,
+# which the next run loaded again: 0.5 s more per run (benchmarks/RESULTS.md). Smaller runs
+# ask for what stock would.
+AUTO_REQUEST = 1 * GiB
 
 
 def _request(vae, x, budget: int, estimate: str = "memory_used_decode") -> int:
@@ -60,8 +63,10 @@ def _make_room(vae, memory_required: int) -> None:
 
 
 def _auto_budget(vae, device, request: int) -> int:
-    """What ComfyUI counts as free, less its own reserve; at least what was asked for."""
-    return int(max(request, _free_memory(vae, device) - mm.extra_reserved_memory()))
+    """What ComfyUI counts as free, less its own reserve and the cached graphs' pools (which
+    it counts as free); at least what was asked for."""
+    free = _free_memory(vae, device) - cuda_graphs.held_bytes()
+    return int(max(request, free - mm.extra_reserved_memory()))
 
 
 def _is_oom(e: Exception) -> bool:
@@ -220,7 +225,7 @@ def _tiling_inputs(what: str) -> list:
             optional=True,
             tooltip=f"VRAM the {what} may use on top of the VAE weights; ComfyUI unloads "
             "or offloads other models to make room for it. 0 = automatic: room for up "
-            "to 4 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
+            "to 1 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
             f"budget means smaller tiles and a slower {what}.",
         ),
     ]

@@ -327,3 +327,24 @@ def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, mon
     assert graphs_at_run == [1, 0]
     assert (out - _stock(qwen_vae, z)).abs().max() <= TOL
     cuda_graphs.free_graphs(model)
+
+
+def test_automatic_budget_leaves_out_the_cached_graphs(qwen_vae, memory_requests, monkeypatch):
+    """ComfyUI counts 8 GiB free, 2 of them a cached graph's pool that it takes for free: the
+    graph stays (room enough for the request) and the decode plans with the other 6, less
+    ComfyUI's reserve."""
+    from qwen_turbo.runtime import cuda_graphs
+
+    asked, planned = memory_requests
+    free = 8 * 2**30
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
+    monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
+    model = nn.Linear(2, 2)
+    cuda_graphs.release_all()
+    cuda_graphs.cache_for(model).put(
+        "key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**31)
+    )
+    _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 13))
+    assert cuda_graphs.held_bytes() == 2**31
+    assert planned == [free - 2**31 - mm.extra_reserved_memory()]
+    cuda_graphs.free_graphs(model)
