@@ -424,7 +424,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         weight = comfy.utils.get_attr(self.model, key) if mapped else None
         if weight is not None and weight.data_ptr() in mapped:
             mapped.discard(weight.data_ptr())
-            comfy.utils.set_attr_param(self.model, key, weight_streaming.host_copy(weight.detach()))
+            comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
         super().pin_weight_to_device(key)
 
 

@@ -295,37 +295,6 @@ STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer sm
 FILL_THREADS = 4
 
 
-def _move(pool: ThreadPoolExecutor, dst: int, src: int, n: int) -> None:
-    """n bytes from address src to dst, in page-aligned parts, one per thread of `pool`
-    (ctypes' memmove lets go of the GIL)."""
-    if n == 0:
-        return
-    part = -(-n // FILL_THREADS)  # a thread's share, rounded up to whole pages
-    part = -(-part // 4096) * 4096
-
-    def move(at: int) -> None:
-        ctypes.memmove(dst + at, src + at, min(part, n - at))
-
-    list(pool.map(move, range(0, n, part)))
-
-
-_copy_pool: ThreadPoolExecutor | None = None
-
-
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of the host tensor `t`, a plain contiguous one's bytes moved on FILL_THREADS
-    threads, so that the new pages fault in in parallel (torch's clone of a weight runs on
-    one thread); any other, t.clone()."""
-    if t.device.type != "cpu" or type(t) is not torch.Tensor or not t.is_contiguous():
-        return t.clone()
-    global _copy_pool
-    if _copy_pool is None:
-        _copy_pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-copy")
-    out = torch.empty_like(t)
-    _move(_copy_pool, out.data_ptr(), t.data_ptr(), t.nbytes)
-    return out
-
-
 class Uploader:
     """Host tensors copied to the GPU through one page-locked buffer: a few threads copy each
     into it, then it crosses from there. From pageable memory (both hosts load weights as
@@ -374,8 +343,16 @@ class Uploader:
         return self.stages(t) and t.nbytes <= self.buffer.nbytes
 
     def _fill(self, t: torch.Tensor) -> None:
-        """`t`'s bytes into the buffer."""
-        _move(self.pool, self.buffer.data_ptr(), t.data_ptr(), t.nbytes)
+        """`t`'s bytes into the buffer, in page-aligned parts, one per thread (ctypes' memmove
+        lets go of the GIL)."""
+        n, src, dst = t.nbytes, t.data_ptr(), self.buffer.data_ptr()
+        part = -(-n // FILL_THREADS)  # a thread's share, rounded up to whole pages
+        part = -(-part // 4096) * 4096
+
+        def move(at: int) -> None:
+            ctypes.memmove(dst + at, src + at, min(part, n - at))
+
+        list(self.pool.map(move, range(0, n, part)))
 
     def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A copy of `t` on `device`, a CUDA device, queued on its current stream."""
