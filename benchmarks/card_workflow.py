@@ -23,6 +23,7 @@ Prints a table and JSON on the last line.
     COMFYUI_PATH=~/comfy/ComfyUI-v0.33 python benchmarks/card_workflow.py --cards 24 16
     ... --workflow qwen_image_edit_2511_2512px --cards 24 0
     ... --cards 0 --batch 1 2 4 --size 1328   (peaks per batch against ComfyUI's estimate)
+    ... --workflow qwen_image_2512_hires_2512px --cards 24 16 12 --steps 4   (completion, peaks)
 """
 
 import argparse
@@ -358,6 +359,11 @@ def main():
     p.add_argument("--budget", type=float, help="VAE Tiling's vram_budget_gb in the pack variant")
     p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
     p.add_argument(
+        "--steps", type=int,
+        help="every sampler's steps, in both variants (memory per step is unchanged; times "
+             "are then not the workflow's)",
+    )  # fmt: skip
+    p.add_argument(
         "--record-kernels", metavar="PATH",
         help="write the Triton launches of these runs as a warm-up manifest (kernels/warmup.json)",
     )  # fmt: skip
@@ -382,6 +388,9 @@ def main():
             node["inputs"]["capture"] = a.capture
         if a.budget is not None and node["class_type"] == "QwenTurboVAEDecodeTiled":
             node["inputs"]["vram_budget_gb"] = a.budget
+    for node in (n for api in variants.values() for n in api.values()):
+        if a.steps and node["class_type"] in ("KSampler", "QwenTurboCUDAGraphSampler"):
+            node["inputs"]["steps"] = a.steps
     write_models(models, variants["pack"])
     write_pictures(models / "input", variants["pack"])
 
@@ -392,7 +401,7 @@ def main():
     if a.record_kernels:
         total = warmup.save(launched, Path(a.record_kernels))
         print(f"{len(launched)} kernel launches recorded; {a.record_kernels} lists {total}")
-    print_rows(rows, dynamic, a.workflow)
+    print_rows(rows, dynamic, a.workflow + (f", {a.steps} steps" if a.steps else ""))
 
 
 def run_cards(a, variants, models, mm, execution, report, headless) -> list[dict]:
