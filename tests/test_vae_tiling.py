@@ -269,6 +269,18 @@ def test_automatic_budget_asks_comfyui_for_room_then_uses_what_it_counts_free(
     assert node._request(qwen_vae, torch.empty(1, 16, 1, 314, 314), 0) == node.AUTO_REQUEST
 
 
+def test_reserve_vram_shrinks_the_automatic_budget(qwen_vae, memory_requests, monkeypatch):
+    """`--reserve-vram 2` (what ComfyUI's model_management sets from it at import): the decode
+    leaves those 2 GiB out of the budget, as stock nodes leave them out of what they load."""
+    asked, planned = memory_requests
+    free = 8 * 2**30
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
+    monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 2 * 2**30)
+    _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 14))
+    assert planned == [free - 2 * 2**30]
+
+
 def test_set_budget_is_what_comfyui_is_asked_for(qwen_vae, memory_requests):
     asked, planned = memory_requests
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 8), 0, 0.5)
