@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mapped_load import BLOCK, GiB, write_file  # noqa: E402
+import mapped_load  # noqa: E402
+from mapped_load import GiB, write_file  # noqa: E402
 
 HEADER = 4104  # the first piece's offset: 8-byte aligned, not page aligned
 MADV_HUGEPAGE = 14
@@ -37,12 +38,8 @@ PORTABLE, READ_ONLY = 1, 8
 
 
 def pieces(size: int) -> list[tuple[int, int]]:
-    out, offset, i = [], HEADER, 0
-    while offset + BLOCK[i % len(BLOCK)] <= size:
-        out.append((offset, BLOCK[i % len(BLOCK)]))
-        offset += BLOCK[i % len(BLOCK)]
-        i += 1
-    return out
+    """(offset, bytes) of each weight, the first at HEADER."""
+    return [(offset + HEADER, n) for offset, n in mapped_load.pieces(size - HEADER)]
 
 
 def register(ptr: int, n: int, flags: int) -> int:
