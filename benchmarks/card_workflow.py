@@ -204,6 +204,13 @@ def set_latent(api: dict, batch: int, size: int | None) -> None:
                 node["inputs"]["width"] = node["inputs"]["height"] = size
 
 
+def set_steps(api: dict, steps: int) -> None:
+    """Every sampler's steps (its denoise stays: the hires pass still runs a share of them)."""
+    for node in api.values():
+        if node["class_type"] in ("KSampler", "QwenTurboCUDAGraphSampler"):
+            node["inputs"]["steps"] = steps
+
+
 def comfy_estimate_gib(api: dict) -> float | None:
     """ComfyUI's estimate (BaseModel.memory_required) of what one model call of the empty
     latent needs on top of the weights, from the diffusion model loaded last."""
@@ -388,9 +395,9 @@ def main():
             node["inputs"]["capture"] = a.capture
         if a.budget is not None and node["class_type"] == "QwenTurboVAEDecodeTiled":
             node["inputs"]["vram_budget_gb"] = a.budget
-    for node in (n for api in variants.values() for n in api.values()):
-        if a.steps and node["class_type"] in ("KSampler", "QwenTurboCUDAGraphSampler"):
-            node["inputs"]["steps"] = a.steps
+    if a.steps:
+        for api in variants.values():
+            set_steps(api, a.steps)
     write_models(models, variants["pack"])
     write_pictures(models / "input", variants["pack"])
 

@@ -239,3 +239,16 @@ def test_set_latent_sizes_the_empty_latent(comfy):
     assert valid and not node_errors, (error, node_errors)
     card.set_latent(api, 2, None)
     assert (latent["batch_size"], latent["width"]) == (2, 1328)
+
+
+def test_set_steps_reaches_every_sampler_of_both_variants(comfy):
+    """--steps: the hires workflow's two samplers, pack and stock, and the graph validates."""
+    variants = card.prompts(ROOT / "workflows" / "qwen_image_2512_hires_2512px.json")
+    for name in ("pack", "stock"):
+        api = variants[name]
+        card.set_steps(api, 3)
+        samplers = [n["inputs"] for n in api.values() if "steps" in n["inputs"]]
+        assert len(samplers) == 2 and all(s["steps"] == 3 for s in samplers)
+        assert {s["denoise"] for s in samplers} == {1.0, 0.55}
+        valid, error, _, node_errors = asyncio.run(execution.validate_prompt(name, api, None))
+        assert valid and not node_errors, (error, node_errors)
