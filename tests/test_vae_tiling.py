@@ -253,7 +253,7 @@ def test_automatic_budget_asks_comfyui_for_room_then_uses_what_it_counts_free(
     qwen_vae, memory_requests, monkeypatch
 ):
     """A small card: 3 GiB free. The decode asks ComfyUI to make room (stock's estimate, at
-    most 4 GiB) before anything else, then plans with ComfyUI's free memory less its reserve."""
+    most 1 GiB) before anything else, then plans with ComfyUI's free memory less its reserve."""
     asked, planned = memory_requests
     free = 3 * 2**30
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
@@ -263,7 +263,7 @@ def test_automatic_budget_asks_comfyui_for_room_then_uses_what_it_counts_free(
     stock = qwen_vae.memory_used_decode(z.shape, qwen_vae.vae_dtype)
     assert asked == [min(stock, node.AUTO_REQUEST)]
     assert planned == [free - mm.extra_reserved_memory()]
-    # at 2512² stock's estimate is far larger: the request stays at 4 GiB
+    # at 2512² stock's estimate is far larger: the request stays at AUTO_REQUEST
     big = qwen_vae.memory_used_decode((1, 16, 1, 314, 314), torch.bfloat16)
     assert big > 4 * node.AUTO_REQUEST
     assert node._request(qwen_vae, torch.empty(1, 16, 1, 314, 314), 0) == node.AUTO_REQUEST
