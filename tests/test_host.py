@@ -87,6 +87,46 @@ def test_loader_without_fused_block_internals_loads_plain_blocks(monkeypatch, se
     mm.unload_all_models()
 
 
+def _compiles(model) -> bool:
+    from comfy.patcher_extension import WrappersMP
+
+    return "torch.compile" in model.wrappers.get(WrappersMP.APPLY_MODEL, {})
+
+
+def _overrides_attention(model) -> bool:
+    return "optimized_attention_override" in model.model_options.get("transformer_options", {})
+
+
+# feature -> the loader's settings that need it, whether a loaded model has it, the badge's note
+LOADER_SETTINGS = {
+    "fp8_weights": (
+        ("fp8_e4m3fn", "auto", "off"), lambda m: m.qwen_turbo_weights == "fp8_e4m3fn",
+        "fp8_e4m3fn off",
+    ),
+    "attention_override": (("bf16", "sdpa", "off"), _overrides_attention, "sdpa attention off"),
+    "regional_compile": (("bf16", "auto", "regional"), _compiles, "regional compile off"),
+}
+
+
+@pytest.mark.parametrize("feature", LOADER_SETTINGS)
+def test_loader_turns_off_a_setting_whose_internal_is_missing(
+    monkeypatch, sent, diffusion_models, feature
+):
+    """Each loader setting is on with the host as it is, and off, named on the badge, where an
+    internal it needs is missing; the model loads either way."""
+    from tests.harness import models
+
+    (weight_dtype, attention, compile), has, note = LOADER_SETTINGS[feature]
+    name = models.qwen_dit_file().name
+    on = Loader.execute(name, weight_dtype, attention, True, compile).result[0]
+    assert has(on) and note not in sent[-1].get("note", "")
+    _remove(monkeypatch, host.FEATURES[feature][0])
+    host.reset()
+    off = Loader.execute(name, weight_dtype, attention, True, compile).result[0]
+    assert not has(off)
+    assert f"{note}: " in sent[-1]["note"] and "missing" in sent[-1]["note"]
+
+
 def test_sampler_without_wrapper_internals_runs_as_ksampler(monkeypatch, sent):
     """Without the wrapper levels the graph runners hook into, the sampler is KSampler."""
     _remove(monkeypatch, host.FEATURES["cuda_graphs"][1])
