@@ -9,6 +9,8 @@ the path the sampler took (whole step / per model call / eager) is read from its
 checked against the README's compatibility table.
 """
 
+import shutil
+
 import folder_paths
 import pytest
 import torch
@@ -65,12 +67,11 @@ def _lora(model):
 
 
 def _compiled(model):
-    compiled = apply_node("nodes_torch_compile", "TorchCompileModel", model, backend="inductor")
-    try:  # inductor builds C++ on CPU: where that cannot run, there is nothing to compare
-        nodes.common_ksampler(compiled, *_args()[:1], 1, *_args()[2:])
-    except Exception as e:
-        pytest.skip(f"TorchCompileModel (inductor) cannot run on this CPU: {type(e).__name__}")
-    return compiled
+    # inductor builds C++ on CPU: without a compiler there is nothing to compare; with one, any
+    # failure is the test's
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("TorchCompileModel (inductor) needs a C++ compiler on the CPU")
+    return apply_node("nodes_torch_compile", "TorchCompileModel", model, backend="inductor")
 
 
 # node: (how to apply it, path in model-forward mode, path in whole-step mode)

@@ -100,7 +100,8 @@ def _overrides_attention(model) -> bool:
 # feature -> the loader's settings that need it, whether a loaded model has it, the badge's note
 LOADER_SETTINGS = {
     "fp8_weights": (
-        ("fp8_e4m3fn", "auto", "off"), lambda m: m.qwen_turbo_weights == "fp8_e4m3fn",
+        ("fp8_e4m3fn", "auto", "off"),
+        lambda m: m.qwen_turbo_weights == "fp8_e4m3fn",
         "fp8_e4m3fn off",
     ),
     "attention_override": (("bf16", "sdpa", "off"), _overrides_attention, "sdpa attention off"),

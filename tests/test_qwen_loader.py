@@ -486,11 +486,18 @@ def test_attention_choice_keeps_the_result(narrow_sd, attention):
     mm.unload_all_models()
 
 
-def test_regional_compile_wraps_each_block(narrow_sd):
+def test_regional_compile_wraps_each_block(narrow_sd, monkeypatch):
+    import comfy_api.torch_helpers as helpers
     from comfy.patcher_extension import WrappersMP
 
+    keys = []
+    wrap = helpers.set_torch_compile_wrapper
+    spy = lambda *a, **k: keys.extend(k["keys"]) or wrap(*a, **k)  # noqa: E731
+    monkeypatch.setattr(helpers, "set_torch_compile_wrapper", spy)
     patcher = qwen_loader.build(dict(narrow_sd), qwen_dit.read_config(narrow_sd))
     qwen_loader.compile_blocks(patcher)
+    n = len(patcher.model.diffusion_model.transformer_blocks)
+    assert n > 1 and keys == [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
     assert patcher.model_options["torch_compile_kwargs"]["backend"] == "inductor"
     assert "torch.compile" in patcher.wrappers[WrappersMP.APPLY_MODEL]
 
