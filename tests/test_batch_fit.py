@@ -93,14 +93,16 @@ def test_no_room_for_one_picture_says_to_lower_the_size(dit, card):
 
 
 def test_a_host_without_the_estimate_gives_no_count(dit, card, monkeypatch):
-    monkeypatch.delattr(comfy.sampler_helpers, "estimate_memory")
-    host.reset()
-    try:
-        assert batch_fit.check(dit, torch.zeros((1, 16, 8, 8)), _cond(1), _cond(2)) == (None, None)
-    finally:
-        monkeypatch.undo()
+    latent = torch.zeros((1, 16, 8, 8))
+    with monkeypatch.context() as m:
+        m.delattr(comfy.sampler_helpers, "estimate_memory")
         host.reset()
-    assert batch_fit.check(dit, torch.zeros((1, 16, 8, 8)), _cond(1), _cond(2))[0] is not None
+        try:
+            assert batch_fit.check(dit, latent, _cond(1), _cond(2)) == (None, None)
+        finally:
+            host.reset()
+    each = dit.model.memory_required([1, 16, 8, 8])
+    assert batch_fit.check(dit, latent, _cond(1), _cond(2))[0] == int(_room(card) // each)
 
 
 def test_out_of_memory_names_the_batch_that_fits(dit):

@@ -23,8 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nodes
-from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import cuda_graphs, qwen_loader
+from qwen_turbo.nodes import graph_sampler, report
+from qwen_turbo.runtime import batch_fit, cuda_graphs, qwen_loader
 from tests.harness import models
 
 
@@ -251,11 +251,46 @@ def test_interrupt_stops_at_a_step_and_leaves_the_next_run_exact(dit, whole_step
     torch.testing.assert_close(out, _sample(dit, steps=3), rtol=0, atol=0)
 
 
-def test_node_on_cpu_is_ksampler(dit):
+@pytest.fixture
+def sent(monkeypatch):
+    """The badge data the nodes send."""
+    out = []
+    monkeypatch.setattr(report, "send", lambda node_id, data: out.append(data))
+    return out
+
+
+def test_node_on_cpu_is_ksampler(dit, sent):
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (dit, 7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     out = graph_sampler.CUDAGraphSampler.execute(*args).result[0]["samples"]
     torch.testing.assert_close(out, nodes.common_ksampler(*args)[0]["samples"], rtol=0, atol=0)
+    assert sent[-1]["graphs"] == "off (runs on cpu)"  # KSampler by design: no graph ran
+
+
+@pytest.mark.parametrize(
+    "capture, route", [("whole CFG step", True), ("model forward", False), ("off", "KSampler")]
+)
+def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, route):
+    """On a CUDA model the capture input picks the runners: whole steps, model calls, or
+    KSampler itself."""
+    model = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), "cpu", "cpu")
+    monkeypatch.setattr(model, "load_device", torch.device("cuda"), raising=False)
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    routes = []
+
+    def with_graphs(model, whole_step, backend, *args, **kwargs):
+        routes.append(whole_step)
+        return latent, "captured 1"
+
+    monkeypatch.setattr(graph_sampler, "sample_within_memory", with_graphs)
+    monkeypatch.setattr(
+        nodes, "common_ksampler", lambda *a, **k: routes.append("KSampler") or [latent]
+    )
+    monkeypatch.setattr(batch_fit, "check", lambda *a: (None, None))  # a Linear: no estimate
+    args = (model, 0, 1, 1.0, "euler", "simple", [], [], latent)
+    graph_sampler.CUDAGraphSampler.execute(*args, capture=capture)
+    assert routes == [route]
+    assert sent[-1]["graphs"] == ("off (capture off)" if capture == "off" else "captured 1")
 
 
 class OutOfMemoryGraphs(FakeGraphs):

@@ -161,6 +161,28 @@ def test_decoder_failing_mid_decode_falls_back_to_stock(qwen_vae, monkeypatch, c
     assert "does not run tile by tile (TypeError" in msg
 
 
+def test_other_errors_are_raised_not_hidden_by_a_fallback(qwen_vae, monkeypatch, caplog):
+    """An error that is neither out of memory nor a module called differently (a bug) reaches
+    the user as it is: no stock decode, no retry."""
+    calls = []
+
+    def execute(*a, **k):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(vae_tiling, "execute", execute)
+    with pytest.raises(RuntimeError, match="boom"):
+        node.VAEDecodeTiled.execute({"samples": _latent((1, 16, 1, 5, 6), 15)}, qwen_vae, 16, 0)
+    assert calls == [1] and not _fallbacks(caplog)
+
+
+def test_a_vae_without_stock_estimates_asks_for_the_automatic_request():
+    x = torch.empty(1, 16, 1, 314, 314)
+    assert node._request(object(), x, 0) == node.AUTO_REQUEST
+    assert node._request(object(), x, 0, "memory_used_encode") == node.AUTO_REQUEST
+    assert node._request(object(), x, 2**29) == 2**29
+
+
 def test_latent_batch_norm_vae_matches_untiled():
     """Flux 2's VAE: a latent batch norm and 2x2 unpatchify before the AutoencoderKL decoder,
     on hosts that have it (its state dict loads without it elsewhere)."""

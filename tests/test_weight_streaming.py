@@ -82,9 +82,20 @@ def test_streamed_weights_give_comfyui_copies_result(narrow_sd, weight_dtype, lo
     assert not streamer.ahead
 
 
-def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch):
+def _out_of_memory(*args):
+    raise torch.OutOfMemoryError("no room for the copy")
+
+
+@pytest.mark.parametrize("short", ["room counted", "allocation"])
+def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch, short):
+    """Where a block's copies do not fit, counted before or found when allocating, ComfyUI
+    copies those layers itself: the same result."""
     plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
-    monkeypatch.setattr(weight_streaming, "room", lambda device: 0)
+    if short == "room counted":
+        monkeypatch.setattr(weight_streaming, "room", lambda device: 0)
+    else:
+        monkeypatch.setattr(weight_streaming, "room", lambda device: 2**40)
+        monkeypatch.setattr(weight_streaming, "to_device", _out_of_memory)
     assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
     assert streamer.copies == 0 and streamer.no_room == len(streamer.layers)
 
