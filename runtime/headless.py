@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from .comfy_home import HOW_TO_PROVIDE, PACK, find_comfyui
-from .workflow import object_info, ui_to_api
+from .workflow import SEED_NAMES, object_info, ui_to_api
 
 
 def start_comfyui(output_dir: Path | None = None) -> Path:
@@ -52,11 +52,13 @@ def missing_models(ui: dict) -> list[str]:
 
 
 def set_prompt_and_seed(api: dict, prompt: str | None, seed: int | None) -> None:
-    """The positive CLIPTextEncode of every sampler gets `prompt`; every sampler gets `seed`."""
+    """The positive CLIPTextEncode of every sampler gets `prompt`; every sampler gets `seed`
+    (KSampler's `seed`, KSamplerAdvanced's and SamplerCustom's `noise_seed`)."""
     for node in api.values():
         inputs = node["inputs"]
-        if seed is not None and "seed" in inputs:
-            inputs["seed"] = seed
+        for name in SEED_NAMES:
+            if seed is not None and name in inputs:
+                inputs[name] = seed
         positive = inputs.get("positive")
         if prompt is not None and isinstance(positive, list):
             source = api[positive[0]]

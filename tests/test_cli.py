@@ -84,8 +84,28 @@ def test_bench_rejects_sizes_not_multiple_of_16(tmp_path):
     assert r.returncode != 0 and "2500 is not a multiple of 16; use 2496 or 2512" in r.stderr
 
 
+def test_prompt_and_seed_reach_every_sampler():
+    """KSampler's seed, KSamplerAdvanced's noise_seed, the text of each sampler's positive
+    prompt; the negative prompt and other nodes stay as they were."""
+    api = {
+        "1": {"class_type": "CLIPTextEncode", "inputs": {"text": "old", "clip": ["9", 0]}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "neg", "clip": ["9", 0]}},
+        "3": {"class_type": "KSampler", "inputs": {"seed": 0, "positive": ["1", 0],
+                                                   "negative": ["2", 0]}},
+        "4": {"class_type": "KSamplerAdvanced", "inputs": {"noise_seed": 0,
+                                                           "positive": ["1", 0]}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "batch_size": 1}},
+    }  # fmt: skip
+    headless.set_prompt_and_seed(api, "a cat", 5)
+    assert api["3"]["inputs"]["seed"] == 5 and api["4"]["inputs"]["noise_seed"] == 5
+    assert api["1"]["inputs"]["text"] == "a cat" and api["2"]["inputs"]["text"] == "neg"
+    assert api["5"]["inputs"] == {"width": 64, "batch_size": 1}
+    headless.set_prompt_and_seed(api, None, None)  # nothing asked: nothing changes
+    assert api["3"]["inputs"]["seed"] == 5 and api["1"]["inputs"]["text"] == "a cat"
+
+
 def test_run_executes_a_workflow(models_dir, tmp_path, monkeypatch, capsys):
-    """headless.run through PromptExecutor: images saved, timings printed; the seed applied."""
+    """headless.run through PromptExecutor, a seed given: images saved, timings printed."""
     from tests.testing_nodes import TestConditioning
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
