@@ -113,6 +113,37 @@ def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
     assert multigpu.driver_of(model).stats.calls == {(1, 2): STEPS}
 
 
+@pytest.mark.parametrize("patch", ["fused on some blocks", "another node's block forward"])
+def test_block_patches_the_workers_cannot_rebuild_run_on_rank_0(loaded, patch):
+    """Workers rebuild the fused forward on every block or none; a model with it on some
+    blocks, or with another node's forward on a block, runs on rank 0 with the same result."""
+    model = loaded.clone()
+    qwen_loader.add_fused_blocks(model)
+    key = "diffusion_model.transformer_blocks.1.forward"
+    if patch == "fused on some blocks":
+        del model.object_patches[key]
+        reason = "the fused forward on some blocks only"
+    else:
+        block = loaded.model.diffusion_model.transformer_blocks[1]
+        forward = type(block).forward
+
+        def tilted(*args, **kwargs):  # each channel scaled apart: no norm after it undoes it
+            return tuple(
+                t * torch.linspace(0.5, 1.5, t.shape[-1]) for t in forward(block, *args, **kwargs)
+            )
+
+        model.add_object_patch(key, tilted)
+        reason = f"object patch on {key!r}"
+    model = ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+    ref = _sample(model, 1.0)
+    if patch == "another node's block forward":  # the patch shows
+        assert _rel(ref, _sample(ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], 1.0)) > 1e-3
+    parallel = multigpu.parallel(model, _cpus(2), "sequence-parallel", backend="gloo")
+    assert _rel(_sample(parallel, 1.0), ref) < TOL
+    stats = multigpu.driver_of(parallel).stats
+    assert stats.local == {reason: STEPS} and not stats.calls, stats
+
+
 @pytest.mark.parametrize("name", [*attention.BACKENDS, *attention.QUANTIZED])
 def test_attention_backends_are_known_by_name(name):
     assert multigpu.attention_name(attention.attention_override(name)) == name
