@@ -121,13 +121,16 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
     estimate (the Optimized Loader's measured one is smaller)."""
     try:
         return sample_with_graphs(model, whole_step, backend, *args, **kwargs)
-    except mm.OOM_EXCEPTION:
-        freed = cuda_graphs.release_all() / 2**30
-        mm.soft_empty_cache()
-        note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
-        log.warning("CUDA Graph Sampler: %s", note)
-        with qwen_loader.host_estimate(model):
-            return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
+    except Exception as e:
+        if not host.is_oom(e):
+            raise
+    # outside the handler, so the failed run's frames (activations, graph inputs) are freed
+    freed = cuda_graphs.release_all() / 2**30
+    mm.soft_empty_cache()
+    note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
+    log.warning("CUDA Graph Sampler: %s", note)
+    with qwen_loader.host_estimate(model):
+        return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
 
 def out_of_memory(model, latent: dict, fit: int | None, e: Exception) -> Exception:
@@ -230,6 +233,8 @@ class CUDAGraphSampler(io.ComfyNode):
                 else:
                     latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
                     extra["graphs"] = f"off ({missing or capture_off(model, capture)})"
-            except mm.OOM_EXCEPTION as e:
+            except Exception as e:
+                if not host.is_oom(e):
+                    raise
                 raise out_of_memory(model, latent_image, fit, e) from e
         return io.NodeOutput(latent)

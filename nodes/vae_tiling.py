@@ -8,7 +8,7 @@ import comfy.utils
 import torch
 from comfy_api.latest import io
 
-from ..runtime import cuda_graphs, log_once, vae_tiling
+from ..runtime import cuda_graphs, host, log_once, vae_tiling
 from . import report
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,6 @@ def _auto_budget(vae, device, request: int) -> int:
     return int(max(request, free - mm.extra_reserved_memory()))
 
 
-def _is_oom(e: Exception) -> bool:
-    is_oom = getattr(mm, "is_oom", None)  # newer hosts: also out-of-memory AcceleratorErrors
-    return is_oom(e) if callable(is_oom) else isinstance(e, mm.OOM_EXCEPTION)
-
-
 def _output_dtype(vae) -> torch.dtype:
     out = getattr(vae, "vae_output_dtype", None)  # newer hosts: the intermediate dtype
     return out() if callable(out) else torch.float32
@@ -122,12 +117,12 @@ def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | 
             _fall_back(info, reason, what)
             return None
         except Exception as e:
-            if not _is_oom(e):
+            if not host.is_oom(e):
                 raise
         # retry outside the handler, so the failed tiles can be freed
         mm.soft_empty_cache()
-        if attempt == 2:
-            raise RuntimeError(
+        if attempt == 2:  # still an OOM error: ComfyUI's executor unloads the models for it
+            raise mm.OOM_EXCEPTION(
                 f"VAE Tiling ran out of memory even with a budget of {budget / GiB:.2f} GiB. "
                 "Free VRAM (unload other models) or set a smaller tile_size."
             )

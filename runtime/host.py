@@ -113,3 +113,12 @@ def reset() -> None:
     """Check again at the next `missing` call (tests that remove an internal)."""
     global _missing
     _missing = None
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether `e` is running out of GPU memory, as ComfyUI's executor judges it: newer hosts'
+    `is_oom` also counts out-of-memory AcceleratorErrors."""
+    import comfy.model_management as mm
+
+    judge = getattr(mm, "is_oom", None)
+    return judge(e) if callable(judge) else isinstance(e, mm.OOM_EXCEPTION)

@@ -7,6 +7,7 @@ buffer from the static inputs), so the whole capture/replay path runs inside rea
 import asyncio
 import copy
 import logging
+import sys
 from pathlib import Path
 
 import comfy.conds
@@ -417,10 +418,11 @@ def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, 
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     ref = nodes.common_ksampler(dit, *args)[0]["samples"]
-    asked, load = [], comfy.model_management.load_models_gpu
+    asked, handling, load = [], [], comfy.model_management.load_models_gpu
 
     def load_models_gpu(models, memory_required=0, **kwargs):
         asked.append(memory_required)
+        handling.append(sys.exc_info()[0])
         return load(models, memory_required=memory_required, **kwargs)
 
     monkeypatch.setattr(comfy.model_management, "load_models_gpu", load_models_gpu)
@@ -430,6 +432,7 @@ def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, 
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
     assert asked[1] == pytest.approx(asked[0] * dit.model.model_config.memory_usage_factor / 0.9)
     assert dit.model.memory_usage_factor == 0.9
+    assert handling == [None, None]  # run again after the handler: the failed run's frames freed
     assert status.startswith("off (out of memory with graphs") and "ran as KSampler" in status
     assert not cuda_graphs.cache_for(dit.model).graphs  # dropped
     assert "out of memory with graphs" in caplog.text

@@ -140,3 +140,11 @@ def test_sampler_without_wrapper_internals_runs_as_ksampler(monkeypatch, sent):
     CUDAGraphSampler.execute(model, 0, 1, 1.0, "euler", "simple", [], [], latent)
     assert len(calls) == 1 and calls[0][0] is model  # the model as given: no graph wrappers
     assert "WrappersMP.PREDICT_NOISE is missing" in sent[-1]["graphs"]
+
+
+def test_is_oom_is_the_executors_judgement():
+    """OOM errors stay OOM errors (ComfyUI's executor then unloads models); others do not
+    count."""
+    assert host.is_oom(mm.OOM_EXCEPTION("CUDA out of memory"))
+    assert not host.is_oom(RuntimeError("boom"))
+    assert not host.is_oom(mm.InterruptProcessingException())
