@@ -67,6 +67,6 @@ class Loader(io.ComfyNode):
                 extra["weights"] = model.qwen_turbo_weights
                 if model.qwen_turbo_notes:
                     extra["note"] = "; ".join(model.qwen_turbo_notes)
-        except (qwen_dit.NotQwenImageDiT, qwen_loader.HostLacks) as e:
+        except (qwen_dit.NotQwenImageDiT, qwen_loader.HostLacks, qwen_loader.Unreadable) as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

@@ -158,12 +158,20 @@ def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     index (`*.safetensors.index.json`), or one safetensors file. Edit-2511's `zero_cond_t`
     becomes the marker key ComfyUI's files carry (TIMESTEP_ZERO)."""
     from diffusers import QwenImageTransformer2DModel
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    def read(file: Path, how):
+        try:
+            return how(file)
+        except (SafetensorError, ValueError, KeyError, OSError) as e:
+            raise ValueError(f"{file.name}: {e}") from e
 
     config = QwenImageTransformer2DModel.load_config(str(folder))
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        shards = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
+        index = read(indexes[0], lambda f: json.loads(f.read_text())["weight_map"])
+        shards = sorted(set(index.values()))
     else:
         shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
@@ -172,7 +180,7 @@ def load_diffusers_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     for shard in shards:
         if not (folder / shard).is_file():
             raise FileNotFoundError(f"{folder / shard} is listed in the index but missing")
-        sd.update(load_file(str(folder / shard)))
+        sd.update(read(folder / shard, lambda f: load_file(str(f))))
     if config.get("zero_cond_t"):
         sd[TIMESTEP_ZERO] = torch.tensor([])
     return sd, config

@@ -22,6 +22,7 @@ import comfy.utils
 import folder_paths
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from ..kernels import warmup
 from ..kernels.fp8_linear import (
@@ -81,6 +82,10 @@ class HostLacks(ValueError):
     """The weights need a model setting this ComfyUI's Qwen-Image model does not take."""
 
 
+class Unreadable(ValueError):
+    """A checkpoint file that cannot be read: truncated, corrupt, or not safetensors."""
+
+
 def model_names() -> list[str]:
     """UNETLoader's list, plus diffusers-layout folders (shown with a trailing '/')."""
     names = list(folder_paths.get_filename_list(FOLDER))
@@ -114,11 +119,20 @@ def resolve(name: str) -> Path:
 def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], qwen_dit.DiTConfig]:
     """The DiT state dict (ComfyUI key names) and its config, from a file or a diffusers folder."""
     rope_axes, metadata = None, None
-    if path.is_dir():
-        sd, config = qwen_dit.load_diffusers_folder(qwen_dit.diffusers_folder(path))
-        rope_axes = config.get("axes_dims_rope")
-    else:
-        sd, metadata = comfy.utils.load_torch_file(str(path), return_metadata=True)
+    try:
+        if path.is_dir():
+            sd, config = qwen_dit.load_diffusers_folder(qwen_dit.diffusers_folder(path))
+            rope_axes = config.get("axes_dims_rope")
+        else:
+            sd, metadata = comfy.utils.load_torch_file(str(path), return_metadata=True)
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, KeyError) as e:  # KeyError: index sans weight_map
+        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unreadable(
+            f"cannot read {path} ({what}): truncated, corrupt or not safetensors. Download it "
+            "again and check its size."
+        ) from e
     sd = qwen_dit.from_mixed(qwen_dit.strip_prefix(sd), metadata)
     return sd, qwen_dit.read_config(sd, rope_axes)
 

@@ -92,6 +92,21 @@ def test_node_errors_name_the_problem(diffusion_models, models_dir):
         (diffusion_models / "vae_by_mistake.safetensors").unlink()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
+def test_a_damaged_file_is_named_with_what_to_do(diffusion_models, damage):
+    """A download cut short, or another kind of file under the .safetensors name: the node's
+    error names the file and says to download it again, on both hosts' readers."""
+    data = models.qwen_dit_file().read_bytes()
+    content = {"truncated": data[: len(data) // 2], "not safetensors": b"PK\x03\x04" + data[:64],
+               "empty": b""}[damage]  # fmt: skip
+    (diffusion_models / "damaged.safetensors").write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        Loader.execute("damaged.safetensors", "auto", "auto", True, "off")
+    msg = str(e.value)
+    assert msg.startswith("Optimized Loader: damaged.safetensors: cannot read "), msg
+    assert "truncated, corrupt or not safetensors. Download it again" in msg
+
+
 # --- the fused block ----------------------------------------------------------------------
 
 
@@ -268,6 +283,12 @@ def test_diffusers_folder_loads_the_same_weights(tmp_path, narrow_sd):
     (folder / "transformer" / next(iter(sorted((folder / "transformer").glob("*-00002-*"))))
      .name).unlink()  # fmt: skip
     with pytest.raises(FileNotFoundError, match="listed in the index but missing"):
+        qwen_loader.read_checkpoint(folder)
+    (index,) = (folder / "transformer").glob("*.index.json")
+    index.write_text("{")  # a download cut short
+    with pytest.raises(
+        qwen_loader.Unreadable, match=r"cannot read .*index.json: Expecting.*Download"
+    ):
         qwen_loader.read_checkpoint(folder)
 
 
