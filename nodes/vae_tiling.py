@@ -62,6 +62,17 @@ def _make_room(vae, memory_required: int) -> None:
     )
 
 
+def _within_card(budget: int, device) -> int:
+    """A set budget, at most the device's memory: more would have ComfyUI unload every model
+    and still run out."""
+    total = mm.get_total_memory(device)
+    if budget > total:
+        _warn_once(f"VAE Tiling: vram_budget_gb {budget / GiB:.1f} is more than this device's "
+                   f"{total / GiB:.1f} GiB; using {total / GiB:.1f}")  # fmt: skip
+        return int(total)
+    return budget
+
+
 def _auto_budget(vae, device, request: int) -> int:
     """What ComfyUI counts as free, less its own reserve and the cached graphs' pools (which
     it counts as free); at least what was asked for."""
@@ -89,7 +100,7 @@ def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | 
     on the VAE's device; None where the model is not one VAE Tiling knows (the reason is in
     info["fallback"])."""
     describe = vae_tiling.decoder_ops if what == "decode" else vae_tiling.encoder_ops
-    budget = int(budget_gb * GiB)
+    budget = _within_card(int(budget_gb * GiB), vae.device)
     request = _request(vae, x, budget, f"memory_used_{what}")
     # load first: the op list must hold the modules of this VAE's (possibly patched) tree
     _make_room(vae, request)

@@ -309,6 +309,14 @@ def test_set_budget_is_what_comfyui_is_asked_for(qwen_vae, memory_requests):
     assert asked == [2**29] and planned == [2**29]
 
 
+def test_a_budget_above_the_device_is_the_device(qwen_vae, memory_requests, caplog):
+    asked, planned = memory_requests
+    total = mm.get_total_memory(qwen_vae.device)
+    _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 16), 0, 1024.0)
+    assert total < 1024 * 2**30 and asked == [int(total)] and planned == [int(total)]
+    assert "vram_budget_gb 1024.0 is more than this device's" in caplog.text
+
+
 def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_requests, oom_once):
     asked, planned = memory_requests
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 9), 0, 1.0)
