@@ -1,9 +1,13 @@
 """Multi-GPU: a Qwen-Image MODEL whose model calls run on several GPUs of this machine."""
 
+import logging
+
 from comfy_api.latest import io
 
-from ..runtime import multigpu
+from ..runtime import log_once, multigpu
 from . import report
+
+log = logging.getLogger(__name__)
 
 
 class MultiGPU(io.ComfyNode):
@@ -52,4 +56,6 @@ class MultiGPU(io.ComfyNode):
                 extra["gpus"] = ", ".join(devices)
             if note:
                 extra["note"] = note
+            if note and gpus > 1:  # fewer than asked for: say so where no badge is seen too
+                log_once(log, logging.WARNING, f"Multi-GPU: {note}")
         return io.NodeOutput(model)

@@ -8,6 +8,7 @@ heads, so there each rank gathers the keys and values.
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 from safetensors.torch import load_file
 
 import nodes
+import qwen_turbo.runtime
 from qwen_turbo.nodes.multigpu import MultiGPU
 from qwen_turbo.runtime import attention, multigpu, qwen_loader
 from tests.conftest import COMFY
@@ -325,10 +327,13 @@ def test_plan(mode, world, batch, why_not_sp, want):
     assert multigpu.plan(mode, world, batch, why_not_sp) == want
 
 
-def test_node_with_one_gpu_returns_the_model_as_it_is(dit):
+def test_node_with_one_gpu_returns_the_model_as_it_is(dit, caplog, monkeypatch):
+    monkeypatch.setattr(qwen_turbo.runtime, "_logged", set())  # log_once may have said it
     for gpus in (1, 2):  # this host: CPU, so 2 GPUs fall back as well
-        out = MultiGPU.execute(model=dit, gpus=gpus, mode="auto").result[0]
+        with caplog.at_level(logging.WARNING):
+            out = MultiGPU.execute(model=dit, gpus=gpus, mode="auto").result[0]
         assert out is dit
+        assert ("not CUDA: it runs as it is" in caplog.text) == (gpus == 2)  # logged, not asked
     assert multigpu.cuda_devices(dit.load_device, 1) == (
         [],
         "1 GPU asked for: the model runs as it is",
