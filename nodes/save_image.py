@@ -13,6 +13,7 @@ from ..runtime import png
 from . import report
 
 COMPRESS_LEVEL = 4  # SaveImage's
+NAME = "Save Image (fast PNG)"
 
 
 def png_metadata(prompt, extra_pnginfo) -> PngInfo | None:
@@ -29,7 +30,10 @@ def png_metadata(prompt, extra_pnginfo) -> PngInfo | None:
 
 def save(images, filename_prefix: str, prompt=None, extra_pnginfo=None) -> list[ui.SavedResult]:
     """SaveImage's files, names and metadata. RGB and RGBA pictures go through png.encode;
-    others (which SaveImage hands to PIL as they are) through PIL, as SaveImage does."""
+    others (which SaveImage hands to PIL as they are) through PIL, as SaveImage does. Errors
+    name the picture or file and what to change."""
+    if len(images) == 0:
+        raise ValueError(f"{NAME}: the batch holds no images")
     folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
         filename_prefix, folder_paths.get_output_directory(), images[0].shape[1], images[0].shape[0]
     )
@@ -39,13 +43,24 @@ def save(images, filename_prefix: str, prompt=None, extra_pnginfo=None) -> list[
         file = f"{filename.replace('%batch_num%', str(batch_number))}_{counter:05}_.png"
         path = os.path.join(folder, file)
         pixels = image.cpu().numpy()
-        if pixels.ndim == 3 and pixels.shape[2] in png.COLOR_TYPES:
-            with open(path, "wb") as f:
-                f.write(png.encode(pixels, metadata.chunks if metadata else (), COMPRESS_LEVEL))
-        else:
-            Image.fromarray(png.to_bytes(pixels)).save(
-                path, pnginfo=metadata, compress_level=COMPRESS_LEVEL
-            )
+        try:
+            if pixels.ndim == 3 and pixels.shape[2] in png.COLOR_TYPES:
+                data = png.encode(pixels, metadata.chunks if metadata else (), COMPRESS_LEVEL)
+                with open(path, "wb") as f:  # encoded first: a failed encode leaves no file
+                    f.write(data)
+            else:
+                picture = Image.fromarray(png.to_bytes(pixels))
+                picture.save(path, pnginfo=metadata, compress_level=COMPRESS_LEVEL)
+        except TypeError as e:  # PIL has no mode for this layout
+            raise ValueError(
+                f"{NAME}: a picture of shape {tuple(pixels.shape)} cannot be saved as PNG ({e}); "
+                "it takes RGB or RGBA pictures (height, width, 3 or 4)"
+            ) from e
+        except OSError as e:
+            raise OSError(
+                f"{NAME}: cannot write {path} ({e}); check the output folder and its free space "
+                "(ComfyUI's --output-directory)"
+            ) from e
         results.append(ui.SavedResult(file, subfolder, io.FolderType.output))
         counter += 1
     return results
@@ -56,7 +71,7 @@ class SaveImage(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="QwenTurboSaveImage",
-            display_name="Save Image (fast PNG)",
+            display_name=NAME,
             category="QwenTurbo",
             description=(
                 "ComfyUI's Save Image with the PNG encoded on several CPU cores: the same "

@@ -152,6 +152,31 @@ def test_save_writes_what_comfyuis_save_image_writes(output_dir, channels):
     assert save_image.save(images[:1], "ours/pic")[0]["filename"] == "pic_00003_.png"
 
 
+def test_bad_pictures_and_folders_are_named(output_dir, monkeypatch):
+    """An empty batch, a picture PIL has no mode for, and a folder that cannot be written give
+    errors naming them; a failed encode leaves no empty file behind."""
+    with pytest.raises(ValueError, match="the batch holds no images"):
+        save_image.save(torch.rand((0, 8, 8, 3)), "pic")
+    with pytest.raises(ValueError, match=r"shape \(8, 8, 1\) cannot be saved as PNG"):
+        save_image.save(torch.rand((1, 8, 8, 1)), "pic")
+
+    def broken(*args):
+        raise RuntimeError("encode failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(png, "encode", broken)
+        with pytest.raises(RuntimeError, match="encode failed"):
+            save_image.save(torch.rand((1, 8, 8, 3)), "pic")
+    assert not list(output_dir.glob("*.png"))
+    missing = output_dir / "gone"
+    real = folder_paths.get_save_image_path
+    monkeypatch.setattr(
+        folder_paths, "get_save_image_path", lambda *a: (str(missing), *real(*a)[1:])
+    )
+    with pytest.raises(OSError, match=r"cannot write .*gone.*check the output folder"):
+        save_image.save(torch.rand((1, 8, 8, 3)), "pic")
+
+
 def test_disable_metadata_writes_no_text(output_dir, monkeypatch):
     monkeypatch.setattr(args, "disable_metadata", True)
     (saved,) = save_image.save(torch.rand((1, 8, 8, 3)), "pic", {"1": {}}, {"workflow": {}})
