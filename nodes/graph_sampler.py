@@ -153,6 +153,18 @@ def out_of_memory(model, latent: dict, fit: int | None, e: Exception) -> Excepti
     return mm.OOM_EXCEPTION(msg)
 
 
+def wrong_channels(model, samples) -> str | None:
+    """After a failed run: where the latent's channels are not the model's (a latent another
+    model's VAE made), what to do. ComfyUI resizes an all-zero latent itself."""
+    want = getattr(getattr(model.model, "latent_format", None), "latent_channels", None)
+    if want in (None, samples.shape[1]) or not samples.any():
+        return None
+    return (
+        f"CUDA Graph Sampler: latent_image has {samples.shape[1]} channels, and this model "
+        f"takes {want}. Encode the picture with this model's VAE, or start from an empty latent."
+    )
+
+
 class CUDAGraphSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -234,7 +246,9 @@ class CUDAGraphSampler(io.ComfyNode):
                     latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
                     extra["graphs"] = f"off ({missing or capture_off(model, capture)})"
             except Exception as e:
-                if not host.is_oom(e):
-                    raise
-                raise out_of_memory(model, latent_image, fit, e) from e
+                if host.is_oom(e):
+                    raise out_of_memory(model, latent_image, fit, e) from e
+                if why := wrong_channels(model, latent_image["samples"]):
+                    raise ValueError(why) from e
+                raise
         return io.NodeOutput(latent)

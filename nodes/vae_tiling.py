@@ -90,6 +90,17 @@ def _device_context(device):
     return ctx(device) if callable(ctx) else contextlib.nullcontext()
 
 
+def _wrong_channels(vae, latent) -> str | None:
+    """After a failed decode: where the latent's channels are not the VAE's, what to do."""
+    want = getattr(vae, "latent_channels", None)
+    if want in (None, latent.shape[1]):
+        return None
+    return (
+        f"VAE Tiling: the latent has {latent.shape[1]} channels, and this VAE takes {want}. "
+        "Decode it with the VAE of the model that made it."
+    )
+
+
 def _fall_back(info: dict, reason: str, what: str) -> None:
     info["fallback"] = reason
     _warn_once(f"VAE Tiling: {reason}; using ComfyUI's VAE {what} instead")
@@ -129,6 +140,8 @@ def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | 
             return None
         except Exception as e:
             if not host.is_oom(e):
+                if what == "decode" and (why := _wrong_channels(vae, x)):
+                    raise ValueError(why) from e
                 raise
         # retry outside the handler, so the failed tiles can be freed
         mm.soft_empty_cache()

@@ -268,6 +268,16 @@ def test_node_on_cpu_is_ksampler(dit, sent):
     assert sent[-1]["graphs"] == "off (runs on cpu)"  # KSampler by design: no graph ran
 
 
+def test_a_latent_of_another_model_is_named(dit):
+    """A 4-channel latent (an SD VAE's encode) into Qwen-Image: the error says what to do; an
+    all-zero one ComfyUI resizes itself, so it runs."""
+    args = (dit, 7, 1, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4))
+    with pytest.raises(ValueError, match="has 4 channels, and this model takes 16. Encode"):
+        graph_sampler.CUDAGraphSampler.execute(*args, {"samples": torch.ones((1, 4, 6, 8))})
+    out = graph_sampler.CUDAGraphSampler.execute(*args, {"samples": torch.zeros((1, 4, 6, 8))})
+    assert out.result[0]["samples"].shape[1] == 16
+
+
 @pytest.mark.parametrize(
     "capture, route", [("whole CFG step", True), ("model forward", False), ("off", "KSampler")]
 )

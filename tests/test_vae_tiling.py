@@ -176,6 +176,13 @@ def test_other_errors_are_raised_not_hidden_by_a_fallback(qwen_vae, monkeypatch,
     assert calls == [1] and not _fallbacks(caplog)
 
 
+def test_a_latent_of_another_vae_is_named(qwen_vae):
+    """A 4-channel latent (an SD VAE's) into the 16-channel Qwen VAE: the error says so."""
+    with pytest.raises(ValueError, match="latent has 4 channels, and this VAE takes 16") as e:
+        node.VAEDecodeTiled.execute({"samples": _latent((1, 4, 1, 5, 6), 17)}, qwen_vae, 0, 0)
+    assert isinstance(e.value.__cause__, RuntimeError)  # the decode's own error, kept
+
+
 def test_a_vae_without_stock_estimates_asks_for_the_automatic_request():
     x = torch.empty(1, 16, 1, 314, 314)
     assert node._request(object(), x, 0) == node.AUTO_REQUEST
