@@ -481,10 +481,15 @@ class Pool:
             key = f"error/{rank}"
             error = self.store.get(key).decode() if self.store.check([key]) else None
             what = "failed to start" if starting else "failed"
+            hint = (
+                f" Each GPU holds a whole copy of the DiT: free memory on {self.devices[rank]} "
+                "or use fewer GPUs (the node's `gpus`)."
+                if error and "out of memory" in error.lower() else ""
+            )  # fmt: skip
             raise MultiGPUError(
                 f"Multi-GPU: the worker on {self.devices[rank]} {what} (exit code {code})"
                 + (f": {error}" if error else "")
-                + ". The workers were stopped; the next run starts them again."
+                + f". The workers were stopped; the next run starts them again.{hint}"
             )
 
     def _wait(self, works) -> None:

@@ -265,15 +265,21 @@ def _workers():
     return multigpu._pool.procs
 
 
-def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit):
+@pytest.mark.parametrize("error", [None, "OutOfMemoryError: CUDA out of memory."])
+def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit, error):
+    """A worker gone (killed, or out of memory: its error sent, then a hint): the error names
+    it, and the next run starts fresh workers."""
     model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
     ref = _sample(dit)
     assert _rel(_sample(model), ref) < TOL
     first = _workers()[0]
+    if error:
+        multigpu._pool.store.set("error/1", error)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
-    with pytest.raises(multigpu.MultiGPUError, match=r"worker on cpu failed \(exit code -9\)"):
+    with pytest.raises(multigpu.MultiGPUError, match=r"worker on cpu failed \(exit code -9\)") as e:
         _sample(model)
+    assert ("free memory on cpu or use fewer GPUs" in str(e.value)) == bool(error), e.value
     assert multigpu._pool is None
     assert _rel(_sample(model), ref) < TOL  # fresh workers
     assert _workers()[0].pid != first.pid
