@@ -198,7 +198,13 @@ def in_blocks(key: str) -> bool:
     return key.startswith("transformer_blocks.")
 
 
-def to_scaled_fp8(sd: dict[str, torch.Tensor], quantize=in_blocks) -> dict[str, torch.Tensor]:
+def _no_progress() -> None:
+    pass
+
+
+def to_scaled_fp8(
+    sd: dict[str, torch.Tensor], quantize=in_blocks, step: Callable[[], None] = _no_progress
+) -> dict[str, torch.Tensor]:
     """Linear weights for which `quantize(key)` holds as float8_e4m3fn with a float32
     `scale_weight` each (w ~ w8 * scale); the others keep their dtype with a scale of 1.
 
@@ -207,9 +213,11 @@ def to_scaled_fp8(sd: dict[str, torch.Tensor], quantize=in_blocks) -> dict[str, 
     can grow weights that much before clamping; e4m3's relative precision is the same there.
     Weights already fp8 keep their file's scale, or 1 (ComfyUI's plain fp8 files). Other
     tensors are kept. This is the layout ComfyUI's scaled-fp8 ops load, patch and LoRA.
+    `step` is called once per tensor (the loader's progress bar).
     """
     out = {}
     for k, t in sd.items():
+        step()
         if k == "scaled_fp8":  # ComfyUI's marker key, not a tensor of the model
             continue
         out[k] = t
@@ -257,10 +265,14 @@ def from_mixed(sd: dict[str, torch.Tensor], metadata: dict | None = None) -> dic
     return out
 
 
-def dequantize(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """fp8 weights (with any `scale_weight`) back to `dtype`; other floats cast to `dtype`."""
+def dequantize(
+    sd: dict[str, torch.Tensor], dtype: torch.dtype, step: Callable[[], None] = _no_progress
+) -> dict[str, torch.Tensor]:
+    """fp8 weights (with any `scale_weight`) back to `dtype`; other floats cast to `dtype`;
+    `step` called once per tensor."""
     out = {}
     for k, t in sd.items():
+        step()
         if k == "scaled_fp8" or k.endswith(".scale_weight") or k.endswith(".scale_input"):
             continue
         if t.is_floating_point():

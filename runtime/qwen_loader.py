@@ -442,6 +442,21 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         super().pin_weight_to_device(key)
 
 
+def _progress(n: int):
+    """A step callback for the loader's pass over n tensors on the CPU (a 38 GiB bf16 file to
+    fp8 takes a while): ComfyUI's progress bar, updated each percent, and its interrupt."""
+    bar, done, every = comfy.utils.ProgressBar(n), 0, max(1, -(-n // 100))  # ceil(n / 100)
+
+    def step():
+        nonlocal done
+        done += 1
+        if done % every == 0 or done == n:
+            mm.throw_exception_if_processing_interrupted()
+            bar.update_absolute(done, n)
+
+    return step
+
+
 def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`.
     Raises HostLacks where this host cannot run the variant."""
@@ -454,11 +469,11 @@ def build(sd, config: qwen_dit.DiTConfig, weight_dtype: str = "auto"):
     if mode.startswith("fp8"):
         # fp8 Linear weights with scales; the rest (biases, norm gains, the layers outside
         # the blocks) in bf16.
-        sd = qwen_dit.to_scaled_fp8(sd)
+        sd = qwen_dit.to_scaled_fp8(sd, step=_progress(len(sd)))
         model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
     else:
         if qwen_dit.has_fp8_weights(sd):
-            sd = qwen_dit.dequantize(sd, torch.bfloat16)
+            sd = qwen_dit.dequantize(sd, torch.bfloat16, _progress(len(sd)))
         if mode == "auto":  # ComfyUI's own choice for the device (float32 on CPU)
             params = qwen_dit.count_params(sd)
             unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)

@@ -107,6 +107,34 @@ def test_a_damaged_file_is_named_with_what_to_do(diffusion_models, damage):
     assert "truncated, corrupt or not safetensors. Download it again" in msg
 
 
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "bf16"])
+def test_converting_the_weights_shows_progress_and_stops_when_asked(narrow_sd, monkeypatch,
+                                                                   weight_dtype):  # fmt: skip
+    """bf16 weights made fp8, or fp8 weights made bf16, on the CPU: ComfyUI's progress bar
+    runs to the end, at most a hundred updates; an interrupt stops the pass."""
+    sd = dict(narrow_sd) if weight_dtype == "fp8_e4m3fn" else qwen_dit.to_scaled_fp8(narrow_sd)
+    updates = []
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def update_absolute(self, value, total=None):
+            updates.append((value, total))
+
+    monkeypatch.setattr(comfy.utils, "ProgressBar", Bar)
+    cfg = qwen_dit.read_config(narrow_sd)
+    assert qwen_loader.build(dict(sd), cfg, weight_dtype).qwen_turbo_weights == weight_dtype
+    assert updates[-1] == (len(sd), len(sd)) and len(updates) <= 101
+    assert [v for v, _ in updates] == sorted({v for v, _ in updates})
+    mm.interrupt_current_processing(True)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            qwen_loader.build(dict(sd), cfg, weight_dtype)
+    finally:
+        mm.interrupt_current_processing(False)
+
+
 # --- the fused block ----------------------------------------------------------------------
 
 
