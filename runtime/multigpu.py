@@ -440,6 +440,7 @@ class Pool:
             raise
 
     def _start(self) -> None:
+        import comfy.model_management as mm
         from comfy.cli_args import args
 
         if dist.is_initialized():
@@ -462,6 +463,7 @@ class Pool:
         for rank in range(1, self.world):
             while not self.store.check([f"ready/{rank}"]):
                 self._check(starting=True)
+                mm.throw_exception_if_processing_interrupted()  # Cancel stops the wait
                 if time.monotonic() > deadline:
                     raise MultiGPUError(f"the worker on {self.devices[rank]} did not start "
                                         f"in {START_TIMEOUT:.0f} s")  # fmt: skip

@@ -309,6 +309,18 @@ def test_a_worker_dying_mid_run_stops_the_run(dit):
     assert multigpu.driver_of(model).stats.calls == {(2, 2): 2 + STEPS}
 
 
+def test_cancel_stops_the_workers_start():
+    """ComfyUI's Cancel while the workers start (up to minutes on a slow disk): the wait stops,
+    the started workers are stopped, and nothing is left initialized."""
+    mm.interrupt_current_processing(True)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            multigpu.pool(("cpu", "cpu"), "gloo")
+    finally:
+        mm.interrupt_current_processing(False)
+    assert multigpu._pool is None and not torch.distributed.is_initialized()
+
+
 def test_a_worker_that_cannot_start_is_named():
     with pytest.raises(multigpu.MultiGPUError, match=r"worker on cuda:999 failed to start.*: "):
         multigpu.pool(("cpu", "cuda:999"), "gloo")
