@@ -157,7 +157,8 @@ def wrong_channels(model, samples) -> str | None:
     """After a failed run: where the latent's channels are not the model's (a latent another
     model's VAE made), what to do. ComfyUI resizes an all-zero latent itself."""
     want = getattr(getattr(model.model, "latent_format", None), "latent_channels", None)
-    if want in (None, samples.shape[1]) or not samples.any():
+    nested = getattr(samples, "is_nested", False)
+    if nested or want in (None, samples.shape[1]) or not samples.any():
         return None
     return (
         f"CUDA Graph Sampler: latent_image has {samples.shape[1]} channels, and this model "

@@ -125,7 +125,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], qwen_dit.DiTCo
             rope_axes = config.get("axes_dims_rope")
         else:
             sd, metadata = comfy.utils.load_torch_file(str(path), return_metadata=True)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         raise
     except (SafetensorError, OSError, ValueError, KeyError) as e:  # KeyError: index sans weight_map
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
