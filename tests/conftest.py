@@ -59,6 +59,16 @@ def sd_vae():
     return sd_vae()
 
 
+@pytest.fixture
+def sent(monkeypatch):
+    """The data the pack's nodes send to their frontend badges, in order."""
+    from qwen_turbo.nodes import report
+
+    out = []
+    monkeypatch.setattr(report, "send", lambda node_id, data: out.append(data))
+    return out
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
     from tests.harness.models import models_tree

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nodes
-from qwen_turbo.nodes import graph_sampler, report
+from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.runtime import batch_fit, cuda_graphs, qwen_loader
 from tests.harness import models
 
@@ -250,14 +250,6 @@ def test_interrupt_stops_at_a_step_and_leaves_the_next_run_exact(dit, whole_step
     out = _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step), steps=3)
     assert cuda_graphs.cache_for(dit.model).stats.captured == captured  # replayed
     torch.testing.assert_close(out, _sample(dit, steps=3), rtol=0, atol=0)
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    """The badge data the nodes send."""
-    out = []
-    monkeypatch.setattr(report, "send", lambda node_id, data: out.append(data))
-    return out
 
 
 def test_node_on_cpu_is_ksampler(dit, sent):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import nodes
-from qwen_turbo.nodes import report
 from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
 from qwen_turbo.nodes.loader import Loader
 from qwen_turbo.runtime import batch_fit, host
@@ -50,13 +49,6 @@ def test_each_missing_internal_turns_its_feature_off(monkeypatch, caplog, featur
     assert set(off) == {feature}, off
     assert "missing" in off[feature] or "takes no" in off[feature]
     assert any(feature in r.getMessage() for r in caplog.records)
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    out = []
-    monkeypatch.setattr(report, "send", lambda node_id, data: out.append(data))
-    return out
 
 
 def test_loader_without_fused_block_internals_loads_plain_blocks(monkeypatch, sent, models_dir):
