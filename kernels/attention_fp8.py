@@ -50,6 +50,14 @@ SUMS_CHUNK = 64  # block sums added per step of the channel means' second pass
 
 _plans: dict[tuple, object] = {}  # shape key -> _Plan, or the reason cuDNN declined it
 _handles: dict[int, object] = {}
+_amax_groups: dict[str, object] = {}  # group name -> process group (`register_amax_group`)
+
+
+def register_amax_group(group) -> str:
+    """The name `attention_fp8` and `quantize` take for a torch.distributed process group
+    (the custom op takes strings, not groups); the group is kept under it."""
+    _amax_groups[group.group_name] = group
+    return group.group_name
 
 
 def quantize_reference(
@@ -213,8 +221,8 @@ if HAS_TRITON:
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """q, k and v less its channel means ((B, H, L, D), last stride 1) in fp8, (B, L, H,
         D) memory viewed (B, H, L, D); the float32 scales (slots DQ..DS) and v's channel
-        means (float32 (B, H, D); zeros without smooth_v). With `amax_group` (a process
-        group's name) the amaxes are the largest over its ranks."""
+        means (float32 (B, H, D); zeros without smooth_v). With `amax_group` (a name from
+        `register_amax_group()`) the amaxes are the largest over that group's ranks."""
         dev = q.device
         if smooth_v:
             v_mean = channel_means(v)
@@ -233,8 +241,7 @@ if HAS_TRITON:
             _amax_kernel[grid](*args, *shape, SUB_MEAN=sub_mean, D=d, BLOCK=block)
             launches.append((slot, x, grid, args, shape, sub_mean, block))
         if amax_group:  # non-negative floats order as their int32 bits do
-            group = dist.distributed_c10d._resolve_process_group(amax_group)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_amax_groups[amax_group])
         out = []
         for slot, x, grid, args, shape, sub_mean, block in launches:
             b, h, seq, d = x.shape
@@ -357,7 +364,7 @@ def attention_fp8(
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
     128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
     leaves v's channel means in (only to measure what smoothing does). `amax_group`, a
-    torch.distributed process group's name, makes every rank of it quantize with the amaxes
+    process group's name from `register_amax_group()`, makes every rank of it quantize with the amaxes
     of all their inputs together: ranks holding parts of one call's batch or heads then
     round as one GPU holding it all would (each rank must make the call). Other inputs, GPUs
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and

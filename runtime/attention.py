@@ -11,7 +11,7 @@ import functools
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels.attention_fp8 import attention_fp8
+from ..kernels.attention_fp8 import attention_fp8, register_amax_group
 
 BACKENDS = {
     # cuDNN first: 571 TFLOP/s at L = 24,905 on an H200, against 360 for flash.
@@ -68,12 +68,13 @@ def quantized(kernel):
 QUANTIZED = {"fp8_cudnn": attention_fp8}
 
 
-def attention_override(name: str, amax_group: str = ""):
+def attention_override(name: str, amax_group=None):
     """A `transformer_options["optimized_attention_override"]` running backend `name`; a
-    quantized one with the scales of all ranks of process group `amax_group` (see
+    quantized one with the scales of all ranks of the process group `amax_group` (see
     `attention_fp8`)."""
     if name in QUANTIZED:
-        core = quantized(functools.partial(QUANTIZED[name], amax_group=amax_group))
+        group = register_amax_group(amax_group) if amax_group is not None else ""
+        core = quantized(functools.partial(QUANTIZED[name], amax_group=group))
     else:
         core = sdpa(BACKENDS[name])
     attention = comfy_signature(core)
@@ -84,5 +85,5 @@ def attention_override(name: str, amax_group: str = ""):
         return attention(*args, **kwargs)
 
     override.backend = name  # what a Multi-GPU worker rebuilds it from
-    override.collective = bool(amax_group) and name in QUANTIZED
+    override.collective = amax_group is not None and name in QUANTIZED
     return override

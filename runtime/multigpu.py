@@ -250,13 +250,13 @@ def _sp_group(cache: dict, groups: int, size: int, rank: int):
     return cache[groups, size][rank // size] if rank < groups * size else None
 
 
-def _call_group(cache: dict, groups: int, size: int) -> str:
-    """The name of the process group of the ranks that take part in a call of this plan;
-    made, where it is not the whole world, as `_sp_group` makes its groups."""
+def _call_group(cache: dict, groups: int, size: int):
+    """The process group of the ranks that take part in a call of this plan; made, where it
+    is not the whole world, as `_sp_group` makes its groups."""
     if groups * size == dist.get_world_size():
-        return dist.group.WORLD.group_name
+        return dist.group.WORLD
     if ("call", groups, size) not in cache:
-        cache["call", groups, size] = dist.new_group(list(range(groups * size))).group_name
+        cache["call", groups, size] = dist.new_group(list(range(groups * size)))
     return cache["call", groups, size]
 
 

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import logging
 import sys
+import types
 from pathlib import Path
 
 import comfy.conds
@@ -762,7 +763,8 @@ def test_policy_trusts_the_packs_code_only(dit):
     options = {"wrappers": {}, "optimized_attention_override": outer}
     assert "'optimized_attention_override'" in cuda_graphs.foreign_code(options, "apply_model", [])
     # fp8 attention taking its scales over Multi-GPU ranks: their collectives run eagerly
-    scaled = attention.attention_override("fp8_cudnn", amax_group="0")
+    group = types.SimpleNamespace(group_name="scales")  # the name is all it is asked for
+    scaled = attention.attention_override("fp8_cudnn", amax_group=group)
     options = {"wrappers": {}, "optimized_attention_override": scaled}
     why = cuda_graphs.foreign_code(options, "apply_model", [])
     assert why == "transformer option 'optimized_attention_override' talks to other processes"

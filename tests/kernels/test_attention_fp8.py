@@ -153,7 +153,7 @@ def _quantize_share(rank: int, path: str, dim: int) -> None:
     try:
         q, k, v = (x.chunk(2, dim)[rank] for x in _qkv(2, 4, 37, 37, 64, torch.bfloat16, 11))
         v = v * (1 + 9 * rank)  # the ranks' amaxes differ
-        out, scales, _ = mod.quantize(q, k, v, amax_group=dist.group.WORLD.group_name)
+        out, scales, _ = mod.quantize(q, k, v, amax_group=mod.register_amax_group(dist.group.WORLD))
         torch.save(([o.float() for o in out], scales), f"{path}/{rank}.pt")
     finally:
         dist.destroy_process_group()
