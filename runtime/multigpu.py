@@ -3,7 +3,7 @@ on CPU, for the tests).
 
 The ComfyUI process is rank 0 on its own device and drives; ranks 1..N-1 are worker
 processes, one per extra device, started once and reused (`Pool`). A worker builds the same
-diffusion model from what pickles (its class, `unet_config`, the ops classes its modules use)
+diffusion model from its recipe (its class, `unet_config`, the ops classes its modules use)
 and receives the weights from rank 0 by `broadcast` whenever their signature (the model
 object, its LoRA patches) changes; it runs the pack's fused blocks and attention backend
 where rank 0 does.
@@ -19,11 +19,15 @@ scales over all ranks of the call, so each rounds as one GPU with the whole call
 Calls the workers cannot reproduce (another node's model patches or wrappers inside this
 one, ControlNet inputs) run on rank 0 alone.
 
-Operations are announced by a pickled header in the TCPStore, so an idle worker waits on a
-socket rather than in an NCCL collective that would time out. Workers start as plain
-subprocesses: a multiprocessing spawn would re-run ComfyUI's main.py in each of them (spawn
-re-imports `__main__`), custom nodes' prestartup scripts included. ComfyUI's modules are
-imported inside functions: a worker imports this module before it sets ComfyUI's flags.
+Operations are announced by a header of plain data (`wire`: JSON, nothing unpickled) on the
+worker's stdin, a pipe only rank 0 holds, so an idle worker waits on the pipe rather than in
+an NCCL collective that would time out; it answers (started, or its error) on a second pipe.
+The process group meets in a FileStore in a folder only this user can open, and its
+communicators bind to the loopback interface: no socket of the pool listens beyond this
+machine. Workers start as plain subprocesses: a multiprocessing spawn would re-run ComfyUI's
+main.py in each of them (spawn re-imports `__main__`), custom nodes' prestartup scripts
+included. ComfyUI's modules are imported inside functions: a worker imports this module
+before it sets ComfyUI's flags.
 """
 
 import atexit
@@ -34,10 +38,12 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -49,9 +55,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import log_once, qwen_dit
+from . import log_once, qwen_dit, wire
 from .attention import QUANTIZED, attention_override
 from .cuda_graphs import own
+from .wire import Slot
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +67,17 @@ MODES = ["auto", "cfg-parallel", "sequence-parallel", "both"]
 PACK = __name__[: -len(".runtime.multigpu")]
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = timedelta(minutes=10)
-IDLE = timedelta(days=1)  # a worker's wait for the next operation, between checks
 START_TIMEOUT = 300.0  # seconds for a worker to import torch and ComfyUI
 PENDING_BYTES = 1 << 30  # weights in flight at once while broadcasting (driver-side copies)
 FUSED = f"{qwen_dit.fused_block_forward.__name__}.<locals>.forward"
+
+# The fields of each operation a worker takes (its first is "args": ComfyUI's flags).
+OPS = {
+    "args": ("args",),
+    "load": ("recipe", "metas"),
+    "call": ("spec", "metas", "groups", "size", "attention", "fused", "blocks", "out"),
+    "stop": (),
+}
 
 # A worker's first lines: the parent's sys.path, the pack registered under the parent's
 # module name (ComfyUI names custom nodes by path), then `worker_main`.
@@ -104,10 +118,10 @@ def _op_names() -> frozenset[str]:
     return frozenset(n for n in dir(base) if isinstance(getattr(base, n), type))
 
 
-def recipe(base) -> bytes:
-    """What a worker builds `base.diffusion_model` from, pickled: the class, `unet_config`
-    and, per op name (Linear, LayerNorm, ...), the ops class its modules use. Raises
-    NotReplicable when one of them is not importable by name."""
+def recipe(base) -> dict:
+    """What a worker builds `base.diffusion_model` from, as plain data (`wire`): the class,
+    `unet_config` and, per op name (Linear, LayerNorm, ...), the ops class its modules use.
+    Raises NotReplicable when one of them is not importable by name."""
     dm = base.diffusion_model
     ops: dict[str, type] = {}
     for m in dm.modules():
@@ -115,16 +129,16 @@ def recipe(base) -> bytes:
             name = next((c.__name__ for c in type(m).__mro__ if c.__name__ in _op_names()), None)
             if name is not None and ops.setdefault(name, type(m)) is not type(m):
                 raise NotReplicable(f"two {name} classes in one model ({type(m).__qualname__})")
+    r = {"cls": type(dm), "config": dict(base.model_config.unet_config), "ops": ops}
     try:
-        return pickle.dumps({"cls": type(dm), "config": dict(base.model_config.unet_config),
-                             "ops": ops})  # fmt: skip
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        wire.encode(r)
+    except TypeError as e:
         raise NotReplicable(f"the model's classes cannot be rebuilt in a worker ({e})") from None
+    return r
 
 
-def build(blob: bytes) -> torch.nn.Module:
+def build(r: dict) -> torch.nn.Module:
     """The diffusion model of a `recipe`, on the meta device (weights come by broadcast)."""
-    r = pickle.loads(blob)
     ops = type("ops", (), dict(r["ops"]))
     return r["cls"](**r["config"], device="meta", operations=ops)
 
@@ -186,19 +200,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-class _Slot:
-    """Where a tensor (by index) or the transformer options (index -1) go in a call's args."""
-
-    def __init__(self, i: int):
-        self.i = i
-
-
 def _strip(obj, tensors: list, options):
     if obj is options:
-        return _Slot(-1)
+        return Slot(-1)
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        return _Slot(len(tensors) - 1)
+        return Slot(len(tensors) - 1)
     if type(obj) in (list, tuple):
         return type(obj)(_strip(o, tensors, options) for o in obj)
     if type(obj) is dict:
@@ -207,7 +214,7 @@ def _strip(obj, tensors: list, options):
 
 
 def _fill(obj, tensors: list, options):
-    if isinstance(obj, _Slot):
+    if isinstance(obj, Slot):
         return options if obj.i < 0 else tensors[obj.i]
     if type(obj) in (list, tuple):
         return type(obj)(_fill(o, tensors, options) for o in obj)
@@ -245,8 +252,7 @@ def _sp_group(cache: dict, groups: int, size: int, rank: int):
     if groups == 1 and size == dist.get_world_size():
         return None  # the whole world
     if (groups, size) not in cache:
-        cache[groups, size] = [dist.new_group(list(range(j * size, (j + 1) * size)))
-                               for j in range(groups)]  # fmt: skip
+        cache[groups, size] = [_new_group(range(j * size, (j + 1) * size)) for j in range(groups)]
     return cache[groups, size][rank // size] if rank < groups * size else None
 
 
@@ -256,8 +262,48 @@ def _call_group(cache: dict, groups: int, size: int):
     if groups * size == dist.get_world_size():
         return dist.group.WORLD
     if ("call", groups, size) not in cache:
-        cache["call", groups, size] = dist.new_group(list(range(groups * size)))
+        cache["call", groups, size] = _new_group(range(groups * size))
     return cache["call", groups, size]
+
+
+def loopback() -> str:
+    """The name of the interface holding 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return "lo"
+
+
+@functools.cache
+def communicator_env() -> dict[str, str]:
+    """What the pool's communicators read from the environment: their sockets on loopback
+    (NCCL's bootstrap, gloo's pairs), NVLink multicast off (NCCL_NVLS_ENABLE)."""
+    lo = loopback()
+    return {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "NCCL_NVLS_ENABLE": "0"}
+
+
+@contextlib.contextmanager
+def communicator_scope():
+    """`communicator_env` in os.environ while communicators are made in this process (rank 0
+    is ComfyUI's: every other pack's environment is left as it was)."""
+    env = communicator_env()
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _new_group(ranks):
+    with communicator_scope():
+        return dist.new_group(list(ranks))
 
 
 # --- sequence parallel -----------------------------------------------------------------------
@@ -404,7 +450,7 @@ def plan(mode: str, world: int, batch: int, why_not_sp: str | None):
 class Call:
     """One diffusion-model call, described for the workers."""
 
-    spec: tuple  # (args, kwargs) with _Slots for tensors and the transformer options
+    spec: tuple  # (args, kwargs) with Slots for tensors and the transformer options
     tensors: list[torch.Tensor]
     options: dict
     groups: int
@@ -428,11 +474,12 @@ class Pool:
         self.devices, self.backend = devices, backend
         self.device = torch.device(devices[0])
         self.world = len(devices)
-        self.seq = 0
         self.recipe = self.weights = self.procs = None
+        self.links: list[Link] = []
         self.groups: dict = {}
-        self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True,
-                                   wait_for_workers=False, timeout=TIMEOUT)  # fmt: skip
+        self.folder = tempfile.mkdtemp(prefix="qwen-turbo-multigpu-")  # mode 0700
+        self.store_path = os.path.join(self.folder, "store")
+        self.store = dist.FileStore(self.store_path)
         try:
             self._start()
         except BaseException:
@@ -448,29 +495,43 @@ class Pool:
                 "torch.distributed is already initialized in this process (by another node "
                 "pack?); Multi-GPU needs its own process group"
             )
-        self.store.set("args", pickle.dumps(vars(args)))
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0")  # NVLink multicast stays off
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # for this rank's communicators too
+        env = dict(os.environ, **communicator_env())
         self.procs = []
         for rank, device in enumerate(self.devices[1:], 1):
+            ops_r, ops_w = os.pipe()
+            answers_r, answers_w = os.pipe()
             cfg = {"path": sys.path, "pack": PACK, "root": str(ROOT),
                    "init": str(ROOT / "__init__.py"), "rank": rank, "world": self.world,
-                   "device": device, "backend": self.backend, "port": self.store.port,
-                   "parent": os.getpid()}  # fmt: skip
+                   "device": device, "backend": self.backend, "store": self.store_path,
+                   "answers": answers_w}  # fmt: skip
             cmd = [sys.executable, "-c", BOOTSTRAP, json.dumps(cfg)]
-            self.procs.append(subprocess.Popen(cmd, env=env))
+            try:
+                self.procs.append(subprocess.Popen(cmd, env=env, stdin=ops_r,
+                                                   pass_fds=(answers_w,)))  # fmt: skip
+            finally:
+                os.close(ops_r)
+                os.close(answers_w)
+            self.links.append(Link(ops_w, answers_r))
+        self.post({"op": "args", "args": vars(args)})
         deadline = time.monotonic() + START_TIMEOUT
-        for rank in range(1, self.world):
-            while not self.store.check([f"ready/{rank}"]):
+        for rank, link in enumerate(self.links, 1):
+            while not link.read().ready:
                 self._check(starting=True)
                 mm.throw_exception_if_processing_interrupted()  # Cancel stops the wait
                 if time.monotonic() > deadline:
                     raise MultiGPUError(f"the worker on {self.devices[rank]} did not start "
                                         f"in {START_TIMEOUT:.0f} s")  # fmt: skip
-                time.sleep(0.05)
+                link.wait(0.05)
         extra = {"device_id": self.device} if self.backend == "nccl" else {}
-        dist.init_process_group(self.backend, store=dist.PrefixStore("pg", self.store), rank=0,
-                                world_size=self.world, timeout=TIMEOUT, **extra)  # fmt: skip
+        with communicator_scope():
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore("pg", self.store),
+                rank=0,
+                world_size=self.world,
+                timeout=TIMEOUT,
+                **extra,
+            )
         log.info("Multi-GPU: workers started on %s (%s)", ", ".join(self.devices[1:]),
                  self.backend)  # fmt: skip
 
@@ -480,8 +541,7 @@ class Pool:
             code = proc.poll()
             if code is None:
                 continue
-            key = f"error/{rank}"
-            error = self.store.get(key).decode() if self.store.check([key]) else None
+            error = self.links[rank - 1].read().error
             what = "failed to start" if starting else "failed"
             hint = (
                 f" Each GPU holds a whole copy of the DiT: free memory on {self.devices[rank]} "
@@ -503,12 +563,16 @@ class Pool:
             w.wait()
 
     def post(self, header: dict) -> None:
-        self.seq += 1
-        self.store.set(f"op/{self.seq}", pickle.dumps(header))
-        if self.seq > 1:  # every rank has read the previous one: each op ends in a collective
-            self.store.delete_key(f"op/{self.seq - 1}")
+        """Send an operation to every worker (a worker gone raises MultiGPUError)."""
+        line = wire.dumps(header)
+        for link in self.links:
+            try:
+                link.send(line)
+            except OSError:  # its pipe is closed: the worker has exited
+                self._check()
+                raise
 
-    def load(self, blob: bytes, signature, dm, patcher) -> None:
+    def load(self, blob: dict, signature, dm, patcher) -> None:
         """Build the model on the workers (when `blob` is new) and broadcast its weights."""
         sd = dm.state_dict()
         metas = [(name, tuple(t.shape), t.dtype) for name, t in sd.items()]
@@ -565,7 +629,58 @@ class Pool:
                 abort()  # NCCL kernels may wait on a dead peer: abort rather than destroy
             else:
                 dist.destroy_process_group()
-        self.procs = None
+        for link in self.links:
+            link.close()
+        self.procs, self.links = None, []
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Link:
+    """Rank 0's ends of one worker's pipes: operations go out as lines of `wire`, and the
+    worker's answers ({"ready": true}, {"error": text}) come back."""
+
+    def __init__(self, ops: int, answers: int):
+        self.ops = os.fdopen(ops, "wb")
+        self.answers = answers
+        os.set_blocking(answers, False)
+        self.buffer = b""
+        self.ready, self.error = False, None
+
+    def send(self, line: bytes) -> None:
+        self.ops.write(line)
+        self.ops.flush()
+
+    def wait(self, seconds: float) -> None:
+        """Until an answer may have come, at most `seconds`."""
+        select.select([self.answers], [], [], seconds)
+
+    def read(self) -> "Link":
+        """Take in what the worker has answered so far."""
+        while True:
+            try:
+                chunk = os.read(self.answers, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            try:
+                answer = wire.loads(line)
+            except ValueError as e:
+                log.warning("Multi-GPU: dropped a worker's answer that is not plain data (%s)", e)
+                continue
+            self.ready = self.ready or answer.get("ready") is True
+            if isinstance(answer.get("error"), str):
+                self.error = answer["error"]
+        return self
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.ops.close()
+        with contextlib.suppress(OSError):
+            os.close(self.answers)
 
 
 def run_share(call: Call, tensors, options: dict, rank: int, groups_cache: dict, forward):
@@ -703,9 +818,9 @@ class Driver:
         tensors: list[torch.Tensor] = []
         spec = (_strip(tuple(args), tensors, options), _strip(dict(kwargs), tensors, options))
         try:
-            pickle.dumps(spec)
-        except Exception as e:
-            raise NotReplicable(f"a model argument that does not pickle ({e})") from None
+            wire.encode(spec)
+        except TypeError as e:
+            raise NotReplicable(f"a model argument that is not plain data ({e})") from None
         x = args[0]
         groups, size, why = plan(self.mode, len(self.devices), x.shape[0],
                                  self._why_not_sp(dm, bound))  # fmt: skip
@@ -769,41 +884,34 @@ def cuda_devices(load_device: torch.device, gpus: int) -> tuple[list[str], str |
 # --- ranks 1..N-1 ----------------------------------------------------------------------------
 
 
+def receive(stream) -> dict | None:
+    """The next operation on `stream` (a worker's stdin), or None at its end (rank 0 gone).
+    A line that is not an operation of `OPS` with its fields is dropped with a log line."""
+    while line := stream.readline():
+        try:
+            op = wire.loads(line)
+            fields = OPS.get(op.get("op")) if isinstance(op.get("op"), str) else None
+            if fields is None or any(f not in op for f in fields):
+                raise ValueError(f"not an operation: {str(op)[:200]}")
+        except ValueError as e:
+            log.warning("Multi-GPU worker: dropped a control message (%s)", e)
+            continue
+        return op
+    return None
+
+
 class Worker:
-    def __init__(self, store, rank: int, device: torch.device, parent: int):
-        self.store, self.rank, self.device, self.parent = store, rank, device, parent
+    def __init__(self, ops, rank: int, device: torch.device):
+        self.ops, self.rank, self.device = ops, rank, device
         self.dm = None
         self.fused = None
         self.overrides: dict = {}
         self.groups: dict = {}
 
-    def next(self, seq: int) -> dict:
-        """The header of operation `seq`. The store lives in rank 0's process: when that one
-        is gone, the wait fails at once and the worker exits."""
-        key = f"op/{seq}"
-        while True:
-            try:
-                self.store.wait([key], IDLE)
-                return pickle.loads(self.store.get(key))
-            except RuntimeError:
-                if os.getppid() != self.parent or not self._store_alive():
-                    sys.exit(0)
-
-    def _store_alive(self) -> bool:
-        try:
-            self.store.check(["args"])
-            return True
-        except RuntimeError:
-            return False
-
     def loop(self) -> None:
-        seq = 0
-        while True:
-            seq += 1
-            header = self.next(seq)
-            if header["op"] == "stop":
-                return
-            getattr(self, header["op"])(header)
+        while (header := receive(self.ops)) is not None and header["op"] != "stop":
+            if header["op"] != "args":
+                getattr(self, header["op"])(header)
 
     def load(self, header: dict) -> None:
         if header["recipe"] is not None:
@@ -851,9 +959,16 @@ class Worker:
 
 def worker_main(cfg: dict) -> None:
     """A worker process: ComfyUI's modules set up as in the parent, then operations until
-    "stop". An error is left in the store for rank 0 to report, and the process exits."""
+    "stop" or the end of stdin. An error is answered for rank 0 to report, and the process
+    exits."""
     rank, device = cfg["rank"], torch.device(cfg["device"])
-    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=TIMEOUT)
+    answers = os.fdopen(cfg["answers"], "wb")
+
+    def answer(message: dict) -> None:
+        with contextlib.suppress(OSError):  # rank 0 may be gone already
+            answers.write(wire.dumps(message))
+            answers.flush()
+
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -861,19 +976,22 @@ def worker_main(cfg: dict) -> None:
             torch.set_num_threads(max(1, torch.get_num_threads() // cfg["world"]))
         from comfy.cli_args import args
 
-        vars(args).update(pickle.loads(store.get("args")))
+        first = receive(sys.stdin.buffer)
+        if first is None or first["op"] != "args":
+            sys.exit(0)
+        vars(args).update(first["args"])
         args.cpu = device.type == "cpu"
         args.disable_dynamic_vram = True  # plain resident modules; no VRAM manager here
         import comfy.model_management  # noqa: F401  (set up for this device)
 
-        store.set(f"ready/{rank}", b"1")
+        answer({"ready": True})
         extra = {"device_id": device} if cfg["backend"] == "nccl" else {}
-        dist.init_process_group(cfg["backend"], store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=cfg["world"], timeout=TIMEOUT, **extra)  # fmt: skip
-        Worker(store, rank, device, cfg["parent"]).loop()
+        store = dist.PrefixStore("pg", dist.FileStore(cfg["store"]))
+        dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=cfg["world"],
+                                timeout=TIMEOUT, **extra)  # fmt: skip
+        Worker(sys.stdin.buffer, rank, device).loop()
         dist.destroy_process_group()
     except Exception as e:
         traceback.print_exc()
-        with contextlib.suppress(RuntimeError):  # rank 0 may be gone already
-            store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:2000])
+        answer({"error": f"{type(e).__name__}: {e}"[:2000]})
         sys.exit(1)

@@ -7,10 +7,14 @@ Latents of 6x10 give 15 image tokens and the prompts 7 text tokens: neither divi
 heads, so there each rank gathers the keys and values.
 """
 
+import contextlib
+import ipaddress
 import json
 import logging
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import sys
 
@@ -19,15 +23,17 @@ import comfy.model_patcher
 import comfy.patcher_extension as pe
 import comfy.sd
 import comfy.utils
+import psutil
 import pytest
 import torch
+from comfy.cli_args import LatentPreviewMethod
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 from safetensors.torch import load_file
 
 import nodes
 import qwen_turbo.runtime
 from qwen_turbo.nodes.multigpu import MultiGPU
-from qwen_turbo.runtime import attention, multigpu, qwen_loader
+from qwen_turbo.runtime import attention, multigpu, qwen_loader, wire
 from tests.conftest import COMFY
 from tests.harness import models
 from tests.harness.comfyui import ROOT
@@ -274,7 +280,7 @@ def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit, er
     assert _rel(_sample(model), ref) < TOL
     first = _workers()[0]
     if error:
-        multigpu._pool.store.set("error/1", error)
+        multigpu._pool.links[0].error = error  # as the worker answers before it exits
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     with pytest.raises(multigpu.MultiGPUError, match=r"worker on cpu failed \(exit code -9\)") as e:
@@ -307,6 +313,88 @@ def test_a_worker_dying_mid_run_stops_the_run(dit):
     assert len(calls) == 2 and multigpu._pool is None
     assert _rel(_sample(model), _sample(dit)) < TOL
     assert multigpu.driver_of(model).stats.calls == {(2, 2): 2 + STEPS}
+
+
+class _Forged:
+    """A pickle that, unpickled, creates the file at `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _sockets(pid):
+    return {(c.laddr, c.status) for c in psutil.Process(pid).net_connections("inet")}
+
+
+def test_a_local_attacker_reaches_nothing_that_runs_code(dit, tmp_path):
+    """Every socket the pool opens (this process's and its workers') is on loopback. Forged
+    pickles sent from loopback to every port they listen on run nothing (no port speaks
+    TCPStore's protocol any more: the ranks meet in a FileStore); the pool still serves the
+    next run."""
+    multigpu.shutdown()
+    before = _sockets(os.getpid())
+    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(dit)
+    assert _rel(_sample(model), ref) < TOL
+    opened = (_sockets(os.getpid()) - before) | _sockets(_workers()[0].pid)
+    assert opened and all(ipaddress.ip_address(a.ip).is_loopback for a, _ in opened), opened
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(_Forged(marker))
+    ports = {a.port for a, status in opened if status == psutil.CONN_LISTEN}
+    assert ports
+    for port in ports:  # what a TCPStore client's "set" of each key would carry, and more
+        for data in (payload, *(key + payload for key in (b"op/1", b"args", b"pg/0"))):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", port), 1) as c,
+            ):
+                c.sendall(data)
+    assert _rel(_sample(model), ref) < TOL
+    assert not marker.exists()
+
+
+def test_control_messages_are_plain_data_and_others_are_dropped(dit, tmp_path, capfd):
+    """What a worker cannot take as an operation (not JSON, a pickle, an unknown operation,
+    missing fields, a function named as a class or enum) is dropped with a log line and runs
+    nothing; the worker serves the next run. The environment is as it was after the pool
+    stops."""
+    multigpu.shutdown()
+    environ = dict(os.environ)
+    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(dit)
+    assert _rel(_sample(model), ref) < TOL
+    marker = tmp_path / "ran"
+    tampered = [
+        b"not json",
+        pickle.dumps(_Forged(marker)).replace(b"\n", b" "),
+        b'{"dict": [["op", "__init__"]]}',
+        b'{"dict": [["op", "load"]]}',
+        b'{"dict": [["op", "stop"], ["x", {"class": "subprocess:Popen"}]]}',
+        b'{"dict": [["op", "stop"], ["x", {"enum": "os:system", "value": "touch ran"}]]}',
+    ]
+    for line in tampered:
+        multigpu._pool.links[0].send(line + b"\n")
+    assert _rel(_sample(model), ref) < TOL
+    assert not marker.exists()
+    multigpu.shutdown()
+    assert dict(os.environ) == environ
+    assert capfd.readouterr().err.count("dropped a control message") == len(tampered)
+
+
+def test_wire_carries_plain_data_only():
+    spec = ((wire.Slot(0), {"k": (1, 2.5, None)}), {"dtype": torch.bfloat16, "on": {True}})
+    assert wire.loads(wire.dumps({"spec": spec})) == {"spec": spec}
+    recipe = {"cls": torch.nn.Linear, "fast": LatentPreviewMethod.Auto}
+    assert wire.loads(wire.dumps(recipe)) == recipe
+    for value in (object(), print, _Forged("x"), type("Local", (torch.nn.Module,), {})):
+        with pytest.raises(TypeError):
+            wire.dumps({"x": value})
+    for data in ('{"class": "builtins:eval"}', '{"class": "subprocess:Popen"}', "[1]"):
+        with pytest.raises(ValueError):
+            wire.loads(data)
 
 
 def test_cancel_stops_the_workers_start():
