@@ -502,6 +502,20 @@ def test_node_on_two_gpus_equals_one(sampler):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_sockets_are_on_loopback():
+    """NCCL's sockets (made when the pool starts: the communicators are bound to a device) in
+    this process and the worker are on loopback; the environment is as it was after."""
+    multigpu.shutdown()
+    environ, before = dict(os.environ), _sockets(os.getpid())
+    pool = multigpu.pool(("cuda:0", "cuda:1"), "nccl")
+    opened = (_sockets(os.getpid()) - before) | _sockets(pool.procs[0].pid)
+    multigpu.shutdown()
+    assert opened and all(ipaddress.ip_address(a.ip).is_loopback for a, _ in opened), opened
+    assert dict(os.environ) == environ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fp8_attention_split_by_batch_equals_one_gpu():
     """fp8_cudnn attention quantizes with the scales and v's means of the whole call's batch
     on every rank, so CFG 4 split by batch rounds as the batched call on one GPU does. At
