@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 import nodes
 import qwen_turbo.runtime
 from qwen_turbo.nodes.multigpu import MultiGPU
-from qwen_turbo.runtime import attention, multigpu, qwen_loader, wire
+from qwen_turbo.runtime import attention, multigpu, qwen_loader
+from qwen_turbo.runtime.multigpu import wire
 from tests.conftest import COMFY
 from tests.harness import models
 from tests.harness.comfyui import ROOT
@@ -268,7 +269,7 @@ def test_unequal_prompt_lengths_split_by_sequence(dit):
 
 
 def _workers():
-    return multigpu._pool.procs
+    return multigpu.running().procs
 
 
 @pytest.mark.parametrize("error", [None, "OutOfMemoryError: CUDA out of memory."])
@@ -280,13 +281,13 @@ def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit, er
     assert _rel(_sample(model), ref) < TOL
     first = _workers()[0]
     if error:
-        multigpu._pool.links[0].error = error  # as the worker answers before it exits
+        multigpu.running().links[0].error = error  # as the worker answers before it exits
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     with pytest.raises(multigpu.MultiGPUError, match=r"worker on cpu failed \(exit code -9\)") as e:
         _sample(model)
     assert ("free memory on cpu or use fewer GPUs" in str(e.value)) == bool(error), e.value
-    assert multigpu._pool is None
+    assert multigpu.running() is None
     assert _rel(_sample(model), ref) < TOL  # fresh workers
     assert _workers()[0].pid != first.pid
 
@@ -310,7 +311,7 @@ def test_a_worker_dying_mid_run_stops_the_run(dit):
     model = multigpu.parallel(outer, _cpus(4), "both", backend="gloo")
     with pytest.raises(multigpu.MultiGPUError, match="worker on cpu failed"):
         _sample(model)
-    assert len(calls) == 2 and multigpu._pool is None
+    assert len(calls) == 2 and multigpu.running() is None
     assert _rel(_sample(model), _sample(dit)) < TOL
     assert multigpu.driver_of(model).stats.calls == {(2, 2): 2 + STEPS}
 
@@ -376,7 +377,7 @@ def test_control_messages_are_plain_data_and_others_are_dropped(dit, tmp_path, c
         b'{"dict": [["op", "stop"], ["x", {"enum": "os:system", "value": "touch ran"}]]}',
     ]
     for line in tampered:
-        multigpu._pool.links[0].send(line + b"\n")
+        multigpu.running().links[0].send(line + b"\n")
     assert _rel(_sample(model), ref) < TOL
     assert not marker.exists()
     multigpu.shutdown()
@@ -406,13 +407,13 @@ def test_cancel_stops_the_workers_start():
             multigpu.pool(("cpu", "cpu"), "gloo")
     finally:
         mm.interrupt_current_processing(False)
-    assert multigpu._pool is None and not torch.distributed.is_initialized()
+    assert multigpu.running() is None and not torch.distributed.is_initialized()
 
 
 def test_a_worker_that_cannot_start_is_named():
     with pytest.raises(multigpu.MultiGPUError, match=r"worker on cuda:999 failed to start.*: "):
         multigpu.pool(("cpu", "cuda:999"), "gloo")
-    assert multigpu._pool is None and not torch.distributed.is_initialized()
+    assert multigpu.running() is None and not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize(
