@@ -453,7 +453,13 @@ def fused_block_forward(block, attention: Attention, on_host: Callable | None = 
         txt = gated_residual(txt, mlp(block.txt_mlp, txt_x), t_gate2)
         return txt, img
 
+    forward.fused_block = True  # what Multi-GPU's workers rebuild (`is_fused_forward`)
     return forward
+
+
+def is_fused_forward(obj) -> bool:
+    """Whether `obj` is a forward made by `fused_block_forward`."""
+    return getattr(obj, "fused_block", False) is True
 
 
 def count_params(sd: dict[str, torch.Tensor]) -> int:

@@ -13,8 +13,6 @@ from .. import qwen_dit
 from ..cuda_graphs import own
 from . import wire
 
-FUSED = f"{qwen_dit.fused_block_forward.__name__}.<locals>.forward"
-
 
 class NotReplicable(Exception):
     """Why a call runs on rank 0 alone: the workers could not compute the same thing."""
@@ -69,7 +67,7 @@ def fused_blocks(patcher, dm) -> bool:
             continue
         block = re.fullmatch(r"diffusion_model\.transformer_blocks\.\d+\.forward", key)
         obj = inspect.unwrap(obj)  # the weight streamer's wrapper (workers load every weight)
-        if block and getattr(obj, "__qualname__", "") == FUSED and own(obj):
+        if block and qwen_dit.is_fused_forward(obj):
             fused += 1
         elif not (block and inspect.ismethod(obj) and type(obj.__self__).forward is obj.__func__):
             raise NotReplicable(f"object patch on {key!r}")
