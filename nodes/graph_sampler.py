@@ -174,10 +174,8 @@ class CUDAGraphSampler(io.ComfyNode):
             display_name="CUDA Graph Sampler",
             category="QwenTurbo",
             description=(
-                "KSampler, with each guided step (or each model call) captured once per "
-                "shape as a CUDA graph and replayed on every step: the same samplers, "
-                "schedulers and result, with less CPU launch overhead. Helps most at few "
-                "steps and small sizes."
+                "KSampler with its steps replayed as CUDA graphs: the same inputs and result, "
+                "less CPU overhead. Helps most at small sizes."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model used for denoising the input latent."),
@@ -211,13 +209,9 @@ class CUDAGraphSampler(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "capture", options=CAPTURE_MODES, default=CAPTURE_MODES[1], optional=True,
-                    tooltip="model forward: capture each model call's shape once (one extra "
-                    "forward and some VRAM for the graph), then replay it every step. whole CFG "
-                    "step: one graph per step, cond, uncond and CFG together; steps with "
-                    "timestep ranges, masks, ControlNet or CFG patches fall back to model "
-                    "forward. off: exactly KSampler. On CPU, or with weights offloaded, it runs "
-                    "as KSampler; another node's Python inside a model call (EasyCache's) "
-                    "keeps that call eager.",
+                    tooltip="whole CFG step: one graph per step; model forward: one per model "
+                    "call; off: KSampler. A capture costs one extra forward and some VRAM; what "
+                    "cannot be captured runs as KSampler, and the badge says why.",
                 ),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],

@@ -15,12 +15,9 @@ class Loader(io.ComfyNode):
             display_name="Optimized Loader",
             category="QwenTurbo",
             description=(
-                "Loads a Qwen-Image DiT (Qwen-Image, Qwen-Image-Edit 2509 and 2511; a single "
-                "file, or a diffusers folder) with width, heads, layers, text width and the "
-                "Edit variant read from the weights, and makes its forward "
-                "faster: fused block kernels, fp8 weights or fp8 GEMMs, the attention backend "
-                "of your choice. The output is a plain MODEL: LoRAs, ModelSamplingAuraFlow, "
-                "KSampler and offloading work as with UNETLoader."
+                "Loads a Qwen-Image or Qwen-Image-Edit DiT, its shape read from the weights, "
+                "with fused kernels, fp8 weights and a faster attention. The output is a plain "
+                "MODEL: LoRAs, samplers and offloading work as with UNETLoader."
             ),
             inputs=[
                 io.Combo.Input(
@@ -30,29 +27,26 @@ class Loader(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "weight_dtype", options=qwen_loader.WEIGHT_DTYPES, default="auto",
-                    tooltip="auto: fp8 storage for fp8 files, else bf16. bf16: 38 GiB of "
-                    "weights, the reference. fp8_e4m3fn: half the VRAM, bf16 compute, small "
-                    "error. fp8_e4m3fn_fast: fp8 GEMMs with per-row activation scales (GPUs "
-                    "with fp8 tensor cores: Ada, Hopper, Blackwell), fastest, error about 4%.",
+                    tooltip="auto: fp8 for fp8 files, else bf16. fp8_e4m3fn halves the VRAM "
+                    "of bf16 with a small error; fp8_e4m3fn_fast also computes in fp8 on Ada, "
+                    "Hopper and Blackwell: the fastest, with a little more error.",
                 ),
                 io.Combo.Input(
                     "attention", options=qwen_loader.ATTENTION, default="auto",
-                    tooltip="auto: ComfyUI's attention (its launch flags decide). sdpa: "
-                    "PyTorch SDPA with cuDNN first, the fastest on Hopper. flash: PyTorch's "
-                    "FlashAttention-2 first. fp8_cudnn: cuDNN's fp8 attention (Hopper and newer, "
-                    "needs `pip install nvidia-cudnn-frontend`; else sdpa): 1.37x faster than "
-                    "sdpa at 2512^2; output error about 1% (0.84% on random weights at 2512^2).",
+                    tooltip="auto: ComfyUI's choice. sdpa: PyTorch's, cuDNN first. flash: "
+                    "FlashAttention first. fp8_cudnn: cuDNN's fp8 attention on Hopper and newer "
+                    "(needs nvidia-cudnn-frontend, else sdpa): faster at large sizes, a little "
+                    "less exact.",
                 ),
                 io.Boolean.Input(
                     "fused_kernels", default=True,
-                    tooltip="Run each transformer block with fused LayerNorm+modulation, "
-                    "gated residual, q/k RMSNorm+RoPE and GELU kernels: less memory traffic, "
-                    "same result within rounding. Falls back to PyTorch without Triton.",
+                    tooltip="Run each transformer block's norms, RoPE and GELU as fused "
+                    "kernels: faster, the same result within rounding. PyTorch without Triton.",
                 ),
                 io.Combo.Input(
                     "compile", options=qwen_loader.COMPILE, default="off",
-                    tooltip="regional: torch.compile each transformer block (compiles once, "
-                    "a minute or two on the first run; recompiles for new sizes).",
+                    tooltip="regional: torch.compile each transformer block. The first run "
+                    "at each size waits for the compile; little gain on top of fused_kernels.",
                 ),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, for any sampler node.")],

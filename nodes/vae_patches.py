@@ -68,17 +68,14 @@ class FusedNormPatch(io.ComfyNode):
             display_name="Fused GroupNorm Patch",
             category="QwenTurbo",
             description=(
-                "Runs every GroupNorm (SD1.5, SDXL, SD3, Flux VAEs) and every RMS norm "
-                "(Qwen-Image / Wan VAE) with the SiLU after it as one fused Triton kernel. "
-                "In the Qwen/Wan VAE the causal 3D convolutions those norms feed also run "
-                "single frames as 2D convolutions, without the zero-padded frames."
+                "Returns a VAE whose norms and the SiLU after them run as one fused kernel "
+                "(SD, SDXL, SD3, Flux, Qwen-Image and Wan VAEs): faster decodes and encodes."
             ),
             inputs=[
                 io.Vae.Input(
                     "vae",
-                    tooltip="The VAE to patch. It is cloned; the input VAE is not changed. "
-                    "Gains: the norms read and write each activation once instead of three "
-                    "or four times. Costs nothing; without a CUDA GPU or Triton it is a no-op.",
+                    tooltip="The VAE to patch; a clone is returned, the input is unchanged. "
+                    "Without a CUDA GPU or Triton the clone runs as the original.",
                 )
             ],
             outputs=[io.Vae.Output()],
@@ -100,16 +97,13 @@ class TextureUpsample(io.ComfyNode):
             display_name="Texture Upsample",
             category="QwenTurbo",
             description=(
-                "Fuses each nearest-2x upsample into the 3x3 convolution after it: each "
-                "low-resolution texel is read once and all four output phases are computed "
-                "from it, the cached-texture trick done as one convolution."
+                "Returns a VAE whose decoder runs each upsample and the convolution after it "
+                "as one: faster, with less memory, the same picture within rounding."
             ),
             inputs=[
                 io.Vae.Input(
                     "vae",
-                    tooltip="The VAE to patch. It is cloned; the input VAE is not changed. "
-                    "Gains: the 4x upsampled tensor is never written, and the convolution "
-                    "does 2.25x fewer multiply-adds. Same picture within rounding.",
+                    tooltip="The VAE to patch; a clone is returned, the input is unchanged.",
                 )
             ],
             outputs=[io.Vae.Output()],

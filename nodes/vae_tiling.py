@@ -232,8 +232,8 @@ def _tiling_inputs(what: str) -> list:
             max=16384,
             step=8,
             optional=True,
-            tooltip="Tile side in pixels; 0 picks the largest tile that fits the budget. "
-            "Smaller tiles need less memory but recompute more halo, so they are slower.",
+            tooltip="Tile side in pixels; 0: the largest that fits the budget. Smaller "
+            "tiles need less memory and are slower.",
         ),
         io.Float.Input(
             "vram_budget_gb",
@@ -242,10 +242,9 @@ def _tiling_inputs(what: str) -> list:
             max=1024.0,
             step=0.25,
             optional=True,
-            tooltip=f"VRAM the {what} may use on top of the VAE weights; ComfyUI unloads "
-            "or offloads other models to make room for it. 0 = automatic: room for up "
-            "to 1 GiB is made, then whatever ComfyUI counts as free is used. A smaller "
-            f"budget means smaller tiles and a slower {what}.",
+            tooltip=f"VRAM the {what} may use beside the VAE; ComfyUI offloads other models "
+            "to make room. 0: automatic, all that ComfyUI counts free after a small request. "
+            "A smaller budget is slower.",
         ),
     ]
 
@@ -258,9 +257,8 @@ class VAEDecodeTiled(io.ComfyNode):
             display_name="VAE Tiling",
             category="QwenTurbo",
             description=(
-                "Decodes a latent tile by tile within a VRAM budget. Each tile is computed with "
-                "a halo as wide as the decoder's receptive field and the global attention runs "
-                "once, so the picture equals an untiled decode: no seams, no blending."
+                "Decodes a latent tile by tile within a VRAM budget, with no seams: the "
+                "picture equals an untiled decode."
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode."),
@@ -292,9 +290,8 @@ class VAEEncodeTiled(io.ComfyNode):
             display_name="VAE Tiling Encode",
             category="QwenTurbo",
             description=(
-                "Encodes images tile by tile within a VRAM budget. Each tile is computed with "
-                "a halo as wide as the encoder's receptive field and the global attention runs "
-                "once, so the latent equals an untiled encode: no seams, no blending."
+                "Encodes images tile by tile within a VRAM budget, with no seams: the latent "
+                "equals an untiled encode."
             ),
             inputs=[
                 io.Image.Input(
