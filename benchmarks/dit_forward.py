@@ -4,9 +4,9 @@ Random full-size weights (60 layers unless --layers), batch 1, 256 text tokens. 
 is loaded from the same state dict, run at each size (warm-up, then the median of CUDA-event
 timings), compared with the stock output (relative L2), and unloaded before the next. With
 --graph each forward is also captured in a CUDA graph and its replays timed (the GPU's time
-alone, without the host's launch cost). With --sample-steps N it also times an
-N-step euler/simple CFG-1 KSampler run at the largest size with a random LoRA, stock against
---sample-variant (+ CUDA Graph Sampler).
+alone, without the host's launch cost), and eager/graph printed (1.0: the host is hidden).
+With --sample-steps N it also times an N-step euler/simple CFG-1 KSampler run at the largest
+size with a random LoRA, stock against --sample-variant (+ CUDA Graph Sampler).
 Prints a table and JSON on the last line.
 """
 
@@ -99,8 +99,9 @@ def main():
             if a.graph:
                 graph_ms, graph_out = bench.graph_timed(run, a.repeats)
                 rows[-1].update(
-                    graph_ms=round(graph_ms, 1), graph_rel_l2=bench.rel_l2(graph_out, ref[size])
-                )
+                    graph_ms=round(graph_ms, 1), graph_rel_l2=bench.rel_l2(graph_out, ref[size]),
+                    eager_vs_graph=round(ms / graph_ms, 3),  # the host's share: 1.0 = none
+                )  # fmt: skip
                 del graph_out
         del patcher, out
         mm.unload_all_models()
@@ -119,8 +120,8 @@ def main():
             f"{r['variant']:26} {r['size']:5d} {r['ms']:8.1f} {r['vs_first']:6.3f} "
             f"{r['rel_l2']:9.2e} {r['weights_gib']:7.2f}G {r['peak_gib']:6.2f}G"
             + ("" if r["finite"] else "  NON-FINITE")
-            + (f"  graph {r['graph_ms']:.1f} ({r['graph_vs_first']:.3f}, {r['graph_rel_l2']:.2e})"
-               if a.graph else "")
+            + (f"  graph {r['graph_ms']:.1f} ({r['graph_vs_first']:.3f}, {r['graph_rel_l2']:.2e}),"
+               f" eager/graph {r['eager_vs_graph']:.3f}" if a.graph else "")
         )  # fmt: skip
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "layers": a.layers, "forward": rows}  # fmt: skip
