@@ -144,7 +144,7 @@ def run(a):
 
     import nodes
     from qwen_turbo.nodes.graph_sampler import sample_within_memory
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import memory
     from qwen_turbo.runtime.bench import rel_l2
     from tests.harness.compat_nodes import path_taken
 
@@ -226,7 +226,7 @@ def run(a):
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model
-        cuda_graphs.free_graphs(dit.model)
+        memory.release(dit.model)
         mm.unload_all_models()
         if name == "TorchCompileModel":
             torch._dynamo.reset()

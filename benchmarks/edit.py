@@ -83,7 +83,7 @@ def run(a):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import bench, cuda_graphs, qwen_dit
+    from qwen_turbo.runtime import bench, cuda_graphs, memory, qwen_dit
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(a.layers, "cuda").items()}
     torch.cuda.empty_cache()
@@ -136,7 +136,7 @@ def run(a):
                     }  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                cuda_graphs.free_graphs(model.model)
+                memory.release(model.model)
         del model, args
         mm.unload_all_models()
         gc.collect()

@@ -112,7 +112,7 @@ def main():
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.nodes.multigpu import MultiGPU
-    from qwen_turbo.runtime import bench, cuda_graphs, multigpu
+    from qwen_turbo.runtime import bench, memory, multigpu
 
     if torch.cuda.device_count() < a.gpus:
         sys.exit(f"This benchmark needs {a.gpus} CUDA GPUs; {torch.cuda.device_count()} found.")
@@ -128,7 +128,7 @@ def main():
         multi = MultiGPU.execute(model=model, gpus=a.gpus, mode=mode).result[0]
         graph = a.sampler == "graph"
         one_first, one_s, ref = timed(sampler(model, steps, cfg, a.size, graph), a.repeats)
-        cuda_graphs.free_graphs(model.model)  # the graph memory of the single-GPU runs
+        memory.release(model.model)  # the graph memory of the single-GPU runs
         torch.cuda.reset_peak_memory_stats()
         multi_first, multi_s, out = timed(sampler(multi, steps, cfg, a.size, graph), a.repeats)
         stats = multigpu.driver_of(multi).stats

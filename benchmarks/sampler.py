@@ -166,7 +166,7 @@ def run(a):
     import torch
 
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import cuda_graphs, memory
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     model = build_model(a.arch, a.layers)
@@ -257,7 +257,7 @@ def run(a):
                 r["gpu_busy"] = gpu_busy(ours)
             row[mode] = r
         rows.append(row)
-        cuda_graphs.free_graphs(model.model)
+        memory.release(model.model)
         mm.soft_empty_cache()
 
     alloc = torch.cuda.get_allocator_backend()
@@ -302,7 +302,7 @@ def caching(a, model, cond, timed, rel_l2):
 
     import nodes
     from qwen_turbo.nodes.graph_sampler import sample_with_graphs
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import cuda_graphs, memory
     from tests.harness import models
 
     cached = with_caching_node(model, a.cache, a.reuse_threshold)
@@ -336,7 +336,7 @@ def caching(a, model, cond, timed, rel_l2):
         row["cached_image_rel_l2"] = rel_l2(images[1], images[0])
         rows.append(row)
         print(row, flush=True)
-        cuda_graphs.free_graphs(model.model)
+        memory.release(model.model)
         mm.soft_empty_cache()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  {a.layers} layers, "
           f"{a.steps} steps, cfg {a.cfg}, {a.cache} (reuse_threshold "

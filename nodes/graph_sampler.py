@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 import nodes as comfy_nodes
 
-from ..runtime import batch_fit, cuda_graphs, host, log_once, qwen_loader
+from ..runtime import batch_fit, cuda_graphs, host, log_once, memory, qwen_loader
 from . import report
 
 log = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ CAPTURE_MODES = ["model forward", "whole CFG step", "off"]
 
 def _free_on_unload(patcher, unpatch_all):
     if unpatch_all:  # the weights leave the GPU: the graphs point at them
-        cuda_graphs.free_graphs(patcher.model)
+        memory.release(patcher.model)
 
 
 def with_cuda_graphs(model, backend=cuda_graphs.CudaGraphs, whole_step=False):
@@ -106,8 +106,8 @@ def free_beside_graphs(device, held: int) -> int:
 def trim_graphs(device) -> str | None:
     """After a run: drop the cached graphs where they would crowd the free memory that later
     nodes ask ComfyUI for (cuda_graphs.trim); what was dropped, for the badge."""
-    held = cuda_graphs.held_bytes()
-    dropped = cuda_graphs.trim(free_beside_graphs(device, held)) if held else 0
+    held = memory.held_bytes()
+    dropped = memory.trim(free_beside_graphs(device, held)) if held else 0
     if not dropped:
         return None
     log_once(log, logging.INFO, "CUDA Graph Sampler: cached graphs dropped after a run, to "
@@ -125,7 +125,7 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
         if not host.is_oom(e):
             raise
     # outside the handler, so the failed run's frames (activations, graph inputs) are freed
-    freed = cuda_graphs.release_all() / 2**30
+    freed = memory.release_all() / 2**30
     mm.soft_empty_cache()
     note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
     log.warning("CUDA Graph Sampler: %s", note)

@@ -8,7 +8,7 @@ import comfy.utils
 import torch
 from comfy_api.latest import io
 
-from ..runtime import cuda_graphs, host, log_once, vae_tiling
+from ..runtime import host, log_once, memory, vae_tiling
 from . import report
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _make_room(vae, memory_required: int) -> None:
     partly, where that suffices) until `memory_required` and its own reserve are free. The
     CUDA Graph Sampler's cached graphs go first: ComfyUI cannot see or reclaim them."""
     if _free_memory(vae, vae.device) < memory_required + mm.extra_reserved_memory():
-        freed = cuda_graphs.release_all()
+        freed = memory.release_all()
         if freed:
             log.info("VAE Tiling: freed %.2f GiB of cached CUDA graphs for room", freed / GiB)
     mm.load_models_gpu(
@@ -76,7 +76,7 @@ def _within_card(budget: int, device) -> int:
 def _auto_budget(vae, device, request: int) -> int:
     """What ComfyUI counts as free, less its own reserve and the cached graphs' pools (which
     it counts as free); at least what was asked for."""
-    free = _free_memory(vae, device) - cuda_graphs.held_bytes()
+    free = _free_memory(vae, device) - memory.held_bytes()
     return int(max(request, free - mm.extra_reserved_memory()))
 
 
@@ -153,7 +153,7 @@ def _run_tiled(vae, x, what: str, tile_size, budget_gb, info) -> torch.Tensor | 
         budget //= 4
         tile_size = tile_size // 2
         # ComfyUI counted the graphs' pools as free: they go first, whatever its count says
-        cuda_graphs.release_all()
+        memory.release_all()
         _make_room(vae, budget)  # something grew since: ComfyUI frees what it can again
         _warn_once(f"VAE Tiling: out of memory; retrying with a {budget / GiB:.2f} GiB budget")
     return None  # not reached

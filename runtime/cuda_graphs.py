@@ -16,7 +16,8 @@ that may capture a call does, and the ones inside it pass through:
   and only the transformer replays, so step caching and graphs add up.
 
 None keeps tensors itself, since ModelPatcher deep-copies wrappers with `model_options`: the
-graphs live in a `GraphCache` per model object, in a module-level registry.
+graphs live in a `GraphCache` per model object, held in `memory` with what else the pack
+keeps in VRAM.
 
 A graph is keyed by every tensor input's shape, dtype and device, the scalar inputs, and a
 signature of the weights (their storage addresses), so a new shape, a LoRA that replaced
@@ -35,12 +36,13 @@ for a whole step, CFG function or per-step callback keeps that region out of a g
 import contextvars
 import inspect
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from . import memory
 
 log = logging.getLogger(__name__)
 SCALARS = (int, float, str, bool, type(None))
@@ -112,8 +114,7 @@ class GraphCache:
     def put(self, key, graph: Graph) -> None:
         self.graphs[key] = graph
         while len(self.graphs) > 1 and (
-            len(self.graphs) > self.max_graphs
-            or sum(g.nbytes for g in self.graphs.values()) > self.max_bytes
+            len(self.graphs) > self.max_graphs or self.held_bytes() > self.max_bytes
         ):
             self.graphs.popitem(last=False)
 
@@ -122,76 +123,30 @@ class GraphCache:
         for key in [k for k in self.graphs if k[-1] != weights]:
             del self.graphs[key]
 
+    def held_bytes(self) -> int:
+        """What the graphs' memory pools hold."""
+        return sum(g.nbytes for g in self.graphs.values())
+
+    def drop(self) -> None:
+        """Drop the graphs, keeping the counters: the next call captures again."""
+        self.graphs.clear()
+
     def clear(self) -> None:
         self.graphs.clear()
         self.failed.clear()
 
 
-_caches: "weakref.WeakKeyDictionary[torch.nn.Module, GraphCache]" = weakref.WeakKeyDictionary()
-
-
 def cache_for(model: torch.nn.Module) -> GraphCache:
-    """The model's cache; its graphs may hold at most a quarter of the GPU's memory."""
-    if model not in _caches:
+    """The model's cache, held in `memory`; its graphs may hold at most a quarter of the GPU's
+    memory."""
+    cache = memory.holder(model)
+    if not isinstance(cache, GraphCache):
         limit = float("inf")
         if torch.cuda.is_available():
             limit = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 4
-        _caches[model] = GraphCache(max_bytes=limit)
-    return _caches[model]
-
-
-def _own_caches(model: torch.nn.Module) -> list[GraphCache]:
-    """The caches of a model and of its diffusion model."""
-    models = (model, getattr(model, "diffusion_model", None))
-    return [_caches[m] for m in models if m is not None and m in _caches]
-
-
-def free_graphs(model: torch.nn.Module) -> None:
-    """Release a model's graphs, its diffusion model's included, and their memory pools (on
-    unload)."""
-    for m in (model, getattr(model, "diffusion_model", None)):
-        cache = _caches.pop(m, None) if m is not None else None
-        if cache is not None:
-            cache.clear()
-
-
-def drop_graphs(model: torch.nn.Module) -> int:
-    """Drop a model's cached graphs, its diffusion model's included, keeping its counters;
-    the bytes their pools held."""
-    freed = 0
-    for cache in _own_caches(model):
-        freed += sum(g.nbytes for g in cache.graphs.values())
-        cache.graphs.clear()
-    return freed
-
-
-def held_bytes() -> int:
-    """What the cached graphs' memory pools hold."""
-    return sum(g.nbytes for cache in _caches.values() for g in cache.graphs.values())
-
-
-# Cached graphs stay after a run only while they hold at most this share of the memory left
-# free beside them. ComfyUI counts their pools as free (torch's reserved, unused memory) and
-# cannot drop them; this bounds what a later node's request can be short by.
-KEEP_SHARE = 0.25
-
-
-def trim(free: int) -> int:
-    """Drop every cached graph where together they hold more than KEEP_SHARE of `free` (the
-    memory free outside their pools); returns the bytes dropped."""
-    return release_all() if held_bytes() > KEEP_SHARE * free else 0
-
-
-def release_all() -> int:
-    """Drop every cached graph, so that their memory pools go back to the allocator (before a
-    node asks ComfyUI to unload or offload a model for room); returns the bytes they held.
-    The next sampling run captures again."""
-    freed = held_bytes()
-    for cache in _caches.values():
-        cache.graphs.clear()
-    if freed and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return freed
+        cache = GraphCache(max_bytes=limit)
+        memory.register(model, cache)
+    return cache
 
 
 class CudaGraphs:
@@ -630,8 +585,9 @@ def run_stats(model: torch.nn.Module) -> Stats:
     """The counters and reasons of a model's runners, its diffusion model's included."""
     total = Stats()
     for m in (model, getattr(model, "diffusion_model", None)):
-        if m is not None and m in _caches:
-            s = _caches[m].stats
+        cache = memory.holder(m) if m is not None else None
+        if isinstance(cache, GraphCache):
+            s = cache.stats
             total.captured += s.captured
             total.replayed += s.replayed
             total.eager += s.eager

@@ -34,7 +34,7 @@ from ..kernels.fp8_linear import (
     gelu_tanh,
     quantize_rows,
 )
-from . import cuda_graphs, host, log_once, qwen_dit, weight_streaming
+from . import host, log_once, memory, qwen_dit, weight_streaming
 from .attention import attention_override
 
 log = logging.getLogger(__name__)
@@ -421,7 +421,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         them. What their release adds to ComfyUI's free count (it already counts their
         pools' unused memory) is taken off what the weights must free."""
         before = mm.get_free_memory(self.load_device)
-        if not cuda_graphs.drop_graphs(self.model):
+        if not memory.drop(self.model):
             return super().partially_unload(device_to, memory_to_free, *args, **kwargs)
         mm.soft_empty_cache()
         gained = max(0, mm.get_free_memory(self.load_device) - before)

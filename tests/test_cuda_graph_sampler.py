@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import batch_fit, cuda_graphs, qwen_loader
+from qwen_turbo.runtime import batch_fit, cuda_graphs, memory, qwen_loader
 from tests.harness import models
 
 
@@ -330,7 +330,7 @@ def test_the_capturing_step_is_not_replayed(dit):
     result is KSampler's."""
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
-    cuda_graphs.free_graphs(dit.model)
+    memory.release(dit.model)
     CountingGraphs.calls = CountingGraphs.replays = 0
     out, _ = graph_sampler.sample_with_graphs(dit, True, CountingGraphs, *args)
     assert CountingGraphs.calls == 1 and CountingGraphs.replays == 2
@@ -345,11 +345,11 @@ def test_graphs_stay_after_a_run_only_with_room_beside_them(dit, monkeypatch, fr
     so, and the next run captures again."""
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
-    cuda_graphs.free_graphs(dit.model)
+    memory.release(dit.model)
     monkeypatch.setattr(graph_sampler, "free_beside_graphs", lambda device, held: free)
     _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
     assert ("dropped after the run for room" in status) == (free == 200), status
-    assert cuda_graphs.held_bytes() == (100 if free == 4000 else 0)
+    assert memory.held_bytes() == (100 if free == 4000 else 0)
     _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
     assert status.startswith("replayed 2" if free == 4000 else "captured 1, replayed 1"), status
 
@@ -364,12 +364,12 @@ def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkey
     model = ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
-    cuda_graphs.release_all()
+    memory.release_all()
     graph_sampler.sample_with_graphs(model, False, FakeGraphs, *args)
-    assert cuda_graphs.held_bytes() == 100
+    assert memory.held_bytes() == 100
 
     def free(device=None, torch_free_too=False):
-        return 1000 + (0 if cuda_graphs.held_bytes() else gain)
+        return 1000 + (0 if memory.held_bytes() else gain)
 
     asked = []
 
@@ -380,7 +380,7 @@ def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkey
     monkeypatch.setattr(mm, "get_free_memory", free)
     monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_unload", weights_free)
     freed = model.partially_unload(model.offload_device, 100)
-    assert cuda_graphs.held_bytes() == 0
+    assert memory.held_bytes() == 0
     assert asked == ([] if gain >= 100 else [100 - gain])
     assert freed == max(gain, 100)
     # no graphs left: the weights free all of it
@@ -402,13 +402,13 @@ def test_room_asked_of_the_loaders_model_on_a_gpu_comes_from_its_graphs_first():
         w = model.model.diffusion_model.img_in.weight
         x = torch.randn((4096, w.shape[1]), device=cuda, dtype=w.dtype)
         replay, out, nbytes, _ = cuda_graphs.CudaGraphs.capture(lambda: x @ w.t())
-        cuda_graphs.release_all()
+        memory.release_all()
         graph = cuda_graphs.Graph(replay, [x], out, nbytes)
         cuda_graphs.cache_for(model.model.diffusion_model).put(("test",), graph)
         del graph, out
-        assert cuda_graphs.held_bytes() == nbytes > 0
+        assert memory.held_bytes() == nbytes > 0
         assert model.partially_unload(model.offload_device, 1) >= 1
-        assert cuda_graphs.held_bytes() == 0
+        assert memory.held_bytes() == 0
         assert all(p.device.type == "cuda" for p in model.model.parameters())
         assert model.partially_unload(model.offload_device, 1) >= 1
         assert any(p.device.type == "cpu" for p in model.model.parameters())
@@ -771,12 +771,12 @@ def test_policy_trusts_the_packs_code_only(dit):
 
 
 def test_trim_drops_graphs_holding_more_than_a_quarter_of_the_free_memory():
-    cuda_graphs.release_all()
+    memory.release_all()
     model = torch.nn.Linear(1, 1)
     cache = cuda_graphs.cache_for(model)
     cache.put(("a",), cuda_graphs.Graph(None, [], torch.zeros(1), 300, []))
-    assert cuda_graphs.trim(1200) == 0 and cache.graphs
-    assert cuda_graphs.trim(1199) == 300 and not cache.graphs
+    assert memory.trim(1200) == 0 and cache.graphs
+    assert memory.trim(1199) == 300 and not cache.graphs
 
 
 def _loaded_as_comfyui_does(name):
@@ -812,7 +812,7 @@ def test_model_sampling_node_as_the_executor_loads_it_is_captured(dit, whole_ste
     for patched, replays in ((model, True), (model.clone(), False)):
         if not replays:
             patched.add_object_patch("model_sampling", _ShiftedInput(patched.model.model_config))
-        cuda_graphs.free_graphs(dit.model)
+        memory.release(dit.model)
         ref = _sample(patched, steps=4)
         patched.object_patches["model_sampling"].calls = 0
         out, status = graph_sampler.sample_with_graphs(

@@ -334,7 +334,7 @@ def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_reque
 def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch, free_gib, kept):
     """Short of room, the sampler's cached graphs are dropped before ComfyUI is asked to
     unload or offload a model; with room to spare they stay for the next run."""
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import cuda_graphs, memory
 
     free = int(free_gib * 2**30)
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
@@ -347,14 +347,14 @@ def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch
     node._make_room(qwen_vae, 2**30)
     assert seen == [1 if kept else 0]  # dropped before ComfyUI was asked
     assert bool(cache.graphs) == kept
-    cuda_graphs.free_graphs(model)
+    memory.release(model)
 
 
 def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, monkeypatch):
     """ComfyUI counts 64 GiB free (its count takes a graph pool's unused memory as free), so a
     set budget keeps the sampler's cached graph; the decode runs out of memory, and the graph
     is gone before the retry."""
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import cuda_graphs, memory
 
     free = 64 * 2**30
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
@@ -375,25 +375,25 @@ def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, mon
     out = _tiled(qwen_vae, z, 0, 1.0)
     assert graphs_at_run == [1, 0]
     assert (out - _stock(qwen_vae, z)).abs().max() <= TOL
-    cuda_graphs.free_graphs(model)
+    memory.release(model)
 
 
 def test_automatic_budget_leaves_out_the_cached_graphs(qwen_vae, memory_requests, monkeypatch):
     """ComfyUI counts 8 GiB free, 2 of them a cached graph's pool that it takes for free: the
     graph stays (room enough for the request) and the decode plans with the other 6, less
     ComfyUI's reserve."""
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime import cuda_graphs, memory
 
     asked, planned = memory_requests
     free = 8 * 2**30
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
     monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
     model = nn.Linear(2, 2)
-    cuda_graphs.release_all()
+    memory.release_all()
     cuda_graphs.cache_for(model).put(
         "key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**31)
     )
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 13))
-    assert cuda_graphs.held_bytes() == 2**31
+    assert memory.held_bytes() == 2**31
     assert planned == [free - 2**31 - mm.extra_reserved_memory()]
-    cuda_graphs.free_graphs(model)
+    memory.release(model)

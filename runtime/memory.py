@@ -1,0 +1,85 @@
+"""The one owner of what the pack holds in VRAM beside ComfyUI's models.
+
+ComfyUI's memory manager tracks the models it loads, not what the pack keeps beside them:
+the captured CUDA graphs' memory pools (a cache per model, `cuda_graphs.cache_for`), which
+ComfyUI counts as free (torch's reserved, unused memory) but cannot drop. Each such holder
+registers here under its model, and every feature that needs room goes through here: the
+Optimized Loader's patcher when ComfyUI asks a model for room (`drop`), VAE Tiling before a
+decode (`held_bytes`, `release_all`), the CUDA Graph Sampler after a run (`trim`), after an
+out-of-memory error (`release_all`) and on unload (`release`).
+"""
+
+import weakref
+from typing import Protocol
+
+import torch
+
+
+class Holder(Protocol):
+    def held_bytes(self) -> int:
+        """The VRAM it holds."""
+
+    def drop(self) -> None:
+        """Free that VRAM (what it counts stays)."""
+
+    def clear(self) -> None:
+        """Free that VRAM and forget everything (the model is unloaded)."""
+
+
+_holders: "weakref.WeakKeyDictionary[torch.nn.Module, Holder]" = weakref.WeakKeyDictionary()
+
+# What the pack holds stays after a run only while it is at most this share of the memory
+# left free beside it: this bounds what a later node's request to ComfyUI can be short by.
+KEEP_SHARE = 0.25
+
+
+def register(model: torch.nn.Module, holder: Holder) -> None:
+    _holders[model] = holder
+
+
+def holder(model: torch.nn.Module) -> Holder | None:
+    return _holders.get(model)
+
+
+def _of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A model and its diffusion model."""
+    return [m for m in (model, getattr(model, "diffusion_model", None)) if m is not None]
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free and forget what is held for a model, its diffusion model's included (on unload)."""
+    for m in _of(model):
+        h = _holders.pop(m, None)
+        if h is not None:
+            h.clear()
+
+
+def drop(model: torch.nn.Module) -> int:
+    """Free what is held for a model, its diffusion model's included; the bytes it held."""
+    freed = 0
+    for h in filter(None, map(holder, _of(model))):
+        freed += h.held_bytes()
+        h.drop()
+    return freed
+
+
+def held_bytes() -> int:
+    """What the pack holds in VRAM beside ComfyUI's models."""
+    return sum(h.held_bytes() for h in _holders.values())
+
+
+def trim(free: int) -> int:
+    """Free everything held where together it is more than KEEP_SHARE of `free` (the memory
+    free beside it); the bytes freed."""
+    return release_all() if held_bytes() > KEEP_SHARE * free else 0
+
+
+def release_all() -> int:
+    """Free everything held, so its memory goes back to the allocator (before a node asks
+    ComfyUI to unload or offload a model for room); the bytes it held."""
+    freed = held_bytes()
+    for h in list(_holders.values()):
+        h.drop()
+    if freed and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return freed
