@@ -31,10 +31,9 @@ def _free_memory(vae, device) -> int:
 
 
 # What the automatic budget asks ComfyUI to make room for; the decode then uses all that
-# ComfyUI counts free. In the 2512² turbo workflow on a 24 GiB card (v0.33.0, H100) a decode
-# in 1 GiB took as long as in 2.9, while asking for 4 GiB had ComfyUI offload part of the DiT,
-# which the next run loaded again: later runs 6.11-6.41 s against 5.37-5.78 s with 1 or 2 GiB
-# (benchmarks/RESULTS.md, "Eighth session"). Smaller runs ask for what stock would.
+# ComfyUI counts free. On a 24 GiB card a larger request has ComfyUI offload part of the DiT,
+# which the next run loads again (docs/PERFORMANCE.md, memory). Smaller runs ask for what
+# stock would.
 AUTO_REQUEST = 1 * GiB
 
 
