@@ -92,7 +92,7 @@ class Pool:
                 os.close(ops_r)
                 os.close(answers_w)
             self.links.append(Link(ops_w, answers_r))
-        self.post({"op": "args", "args": vars(args)})
+        self.post({"op": "args", "args": vars(args)}, starting=True)
         deadline = time.monotonic() + START_TIMEOUT
         for rank, link in enumerate(self.links, 1):
             while not link.read().ready:
@@ -142,14 +142,16 @@ class Pool:
         for w in works:
             w.wait()
 
-    def post(self, header: dict) -> None:
+    def post(self, header: dict, starting: bool = False) -> None:
         """Send an operation to every worker (a worker gone raises MultiGPUError)."""
         line = wire.dumps(header)
-        for link in self.links:
+        for link, proc in zip(self.links, self.procs, strict=True):
             try:
                 link.send(line)
-            except OSError:  # its pipe is closed: the worker has exited
-                self._check()
+            except OSError:  # its pipe is closed: the worker is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                self._check(starting)
                 raise
 
     def load(self, blob: dict, signature, dm, patcher) -> None:
@@ -195,7 +197,8 @@ class Pool:
         others may wait in a collective) and leave the process group."""
         ask = bool(self.procs) and not kill and all(p.poll() is None for p in self.procs)
         if ask:
-            self.post({"op": "stop"})
+            with contextlib.suppress(OSError, MultiGPUError):  # one may exit meanwhile
+                self.post({"op": "stop"})
         for p in self.procs or ():
             if ask:
                 with contextlib.suppress(subprocess.TimeoutExpired):
