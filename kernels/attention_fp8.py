@@ -13,10 +13,7 @@ the limited precision of Hopper's fp8 tensor-core accumulation over long same-si
 Passes around cuDNN's kernel (Triton): v's channel means; the per-tensor amax of q, k and
 v; the scale and cast, which also writes the scales cuDNN reads (device tensors: no host
 sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v and O are
-(B, L, H, D) in memory, the joint layout the DiT's projections read and write. The amax
-and cast passes each take q, k and v in one launch, and the means' first pass zeroes the
-amaxes: five Triton launches and one cuDNN call, not nine and a memset. Uncaptured, the
-DiT's layers at 1328^2 are bound by the host, and a Triton launch costs it ~24 us (H100).
+(B, L, H, D) in memory, the joint layout the DiT's projections read and write.
 
 cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Without it,
 on other GPUs, on masked calls or on shapes cuDNN declines, the call runs exact SDPA and
@@ -27,8 +24,6 @@ Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: e
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 """
 
-import functools
-import inspect
 import math
 
 import torch
@@ -122,19 +117,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _sum_kernel(
-        x_ptr, sums_ptr, amax_ptr, L, H, sx_b, sx_h, sx_l,
-        ZERO_AMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, sums_ptr, L, H, sx_b, sx_h, sx_l, D: tl.constexpr, BLOCK: tl.constexpr
     ):  # fmt: skip
-        """The per-channel sum of one `_load_block` to sums (B * H, blocks, D). With ZERO_AMAX
-        program (0, 0) also zeroes the three int32 amaxes that `_amax_kernel`, launched
-        after it, raises (one launch less than a memset)."""
+        """The per-channel sum of one `_load_block` to sums (B * H, blocks, D)."""
         bh = tl.program_id(1).to(tl.int64)
         x, _, _ = _load_block(x_ptr, x_ptr, bh, L, H, sx_b, sx_h, sx_l, False, D, BLOCK)
         offs = (bh * tl.num_programs(0) + tl.program_id(0)) * D + tl.arange(0, D)
         tl.store(sums_ptr + offs, tl.sum(x, axis=0))
-        if ZERO_AMAX and tl.program_id(0) + tl.program_id(1) == 0:
-            slots = tl.arange(0, 4)
-            tl.store(amax_ptr + slots, tl.zeros((4,), dtype=tl.int32), mask=slots < 3)
 
     @triton.jit
     def _mean_kernel(
@@ -154,97 +143,58 @@ if HAS_TRITON:
             acc += tl.sum(chunk, axis=0)
         tl.store(mean_ptr + bh * D + offs_d, tl.math.div_rn(acc, L.to(tl.float32)))
 
-    def channel_means(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    def channel_means(x: torch.Tensor) -> torch.Tensor:
         """x (B, H, L, D)'s means over L, float32 (B, H, D). Each (b, h) is added in an order
         fixed by L alone (torch's reduction order follows its launch shape, so half a batch
         or half the heads would round otherwise): Multi-GPU ranks holding parts of one
-        call get the whole call's means. `amax` (int32, 3 elements), if given, is zeroed
-        on the way (it saves `quantize` a launch)."""
+        call get the whole call's means."""
         b, h, seq, d = x.shape
         block = 16384 // d
         grid = (triton.cdiv(seq, block), b * h)
         sums = torch.empty((b * h, grid[0], d), dtype=torch.float32, device=x.device)
-        zero = amax is not None
-        _sum_kernel[grid](x, sums, amax if zero else sums, seq, h, *x.stride()[:3],
-                          ZERO_AMAX=zero, D=d, BLOCK=block)  # fmt: skip
+        _sum_kernel[grid](x, sums, seq, h, *x.stride()[:3], D=d, BLOCK=block)
         mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
         chunks = triton.cdiv(grid[0], SUMS_CHUNK)
         _mean_kernel[(b * h,)](sums, mean, seq, grid[0], D=d, CHUNK=SUMS_CHUNK, CHUNKS=chunks)
         return mean
 
     @triton.jit
-    def _qkv_block(
-        q_ptr, k_ptr, v_ptr, mean_ptr, bh, LQ, LK, H,
-        sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, SUB_MEAN, D, BLOCK,
-    ):  # fmt: skip
-        """`_load_block` of q, k or v by program axis 2 (slot DQ, DK, DV; v less its means
-        with SUB_MEAN), and that tensor's length. Axis 0 spans the longer of LQ and LK: the
-        shorter's extra blocks are all masked."""
-        slot = tl.program_id(2)
-        if slot == 0:
-            x, offs_l, mask = _load_block(q_ptr, mean_ptr, bh, LQ, H, sq_b, sq_h, sq_l, False,
-                                          D, BLOCK)  # fmt: skip
-            seq = LQ
-        elif slot == 1:
-            x, offs_l, mask = _load_block(k_ptr, mean_ptr, bh, LK, H, sk_b, sk_h, sk_l, False,
-                                          D, BLOCK)  # fmt: skip
-            seq = LK
-        else:
-            x, offs_l, mask = _load_block(v_ptr, mean_ptr, bh, LK, H, sv_b, sv_h, sv_l,
-                                          SUB_MEAN, D, BLOCK)  # fmt: skip
-            seq = LK
-        return x, offs_l, mask, seq
-
-    @triton.jit(do_not_specialize=["LQ", "LK"])  # one type for `seq` in every branch
     def _amax_kernel(
-        q_ptr, k_ptr, v_ptr, mean_ptr, amax_ptr, LQ, LK, H,
-        sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+        x_ptr, mean_ptr, amax_ptr, L, H, sx_b, sx_h, sx_l,
         SUB_MEAN: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """max |x - mean| of one `_qkv_block` into the int32 amax[slot] as float32 bits:
-        non-negative floats order like their bits (a masked block adds 0)."""
+        """max |x - mean| of one `_load_block` into the int32 amax_ptr as float32 bits:
+        non-negative floats order like their bits."""
         bh = tl.program_id(1).to(tl.int64)
-        x, _, _, _ = _qkv_block(q_ptr, k_ptr, v_ptr, mean_ptr, bh, LQ, LK, H, sq_b, sq_h, sq_l,
-                                sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, SUB_MEAN, D, BLOCK)  # fmt: skip
+        x, _, _ = _load_block(x_ptr, mean_ptr, bh, L, H, sx_b, sx_h, sx_l, SUB_MEAN, D, BLOCK)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        tl.atomic_max(amax_ptr + tl.program_id(2), amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr, amax.to(tl.int32, bitcast=True))
 
-    @triton.jit(do_not_specialize=["LQ", "LK"])
+    @triton.jit
     def _quant_kernel(
-        q_ptr, k_ptr, v_ptr, mean_ptr, amax_ptr, q8_ptr, k8_ptr, v8_ptr, scales_ptr, LQ, LK, H,
-        sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-        SUB_MEAN: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+        x_ptr, mean_ptr, amax_ptr, out_ptr, scales_ptr, L, H, sx_b, sx_h, sx_l,
+        SLOT: tl.constexpr, SUB_MEAN: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):  # fmt: skip
-        """(x - mean) * 448 / amax in fp8, one `_qkv_block`, to q8, k8 or v8 ((B, L, H, D)
-        contiguous). Program (0, 0, slot) writes the descale to scales[slot] (for v also
-        O's scale, 448, 1 / 448 and zeros in the last two slots)."""
+        """(x - mean) * 448 / amax in fp8, one `_load_block`, to out (B, L, H, D)
+        contiguous. Program (0, 0) writes the descale to scales[SLOT] (for v also O's
+        scale, 448 and 1 / 448)."""
         bh = tl.program_id(1).to(tl.int64)
-        slot = tl.program_id(2)
-        x, offs_l, mask, seq = _qkv_block(q_ptr, k_ptr, v_ptr, mean_ptr, bh, LQ, LK, H,
-                                          sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                                          SUB_MEAN, D, BLOCK)  # fmt: skip
-        amax = tl.load(amax_ptr + slot).to(tl.float32, bitcast=True)
-        amax = tl.maximum(amax, 1e-30)  # MIN_AMAX
+        x, offs_l, mask = _load_block(x_ptr, mean_ptr, bh, L, H, sx_b, sx_h, sx_l, SUB_MEAN,
+                                      D, BLOCK)  # fmt: skip
+        amax = tl.maximum(tl.load(amax_ptr).to(tl.float32, bitcast=True), 1e-30)  # MIN_AMAX
         scale = tl.math.div_rn(448.0, amax)  # IEEE division: `/` is approximate on GPUs
         x = tl.clamp(x * scale, -448.0, 448.0)
         if INTERPRET:
             x = _round_e4m3(x)
-        offs = ((bh // H * seq + offs_l[:, None]) * H + bh % H) * D + tl.arange(0, D)[None, :]
-        x = x.to(tl.float8e4nv)
-        if slot == 0:
-            tl.store(q8_ptr + offs, x, mask=mask)
-        elif slot == 1:
-            tl.store(k8_ptr + offs, x, mask=mask)
-        else:
-            tl.store(v8_ptr + offs, x, mask=mask)
+        out_offs = ((bh // H * L + offs_l[:, None]) * H + bh % H) * D + tl.arange(0, D)[None, :]
+        tl.store(out_ptr + out_offs, x.to(tl.float8e4nv), mask=mask)
         if tl.program_id(0) + tl.program_id(1) == 0:
-            tl.store(scales_ptr + slot, tl.math.div_rn(1.0, scale))
-            if slot == 2:
+            tl.store(scales_ptr + SLOT, tl.math.div_rn(1.0, scale))
+            if SLOT == 2:
                 tl.store(scales_ptr + 3, scale)
                 tl.store(scales_ptr + 4, 448.0)
                 tl.store(scales_ptr + 5, 1.0 / 448.0)
-                tl.store(scales_ptr + 6, 0.0)  # the two slots cuDNN's amaxes go to
-                tl.store(scales_ptr + 7, 0.0)
 
     @triton.jit
     def _dequant_kernel(
@@ -269,38 +219,37 @@ if HAS_TRITON:
     def quantize(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, amax_group=""
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """q (B, H, Lq, D), k and v less its channel means (B, H, Lk, D) (last strides 1) in
-        fp8, (B, L, H, D) memory viewed (B, H, L, D); the float32 scales (slots DQ..DS, then
-        two for cuDNN's amax outputs) and v's channel means (float32 (B, H, D); zeros without
-        smooth_v). With `amax_group` (a name from `register_amax_group()`) the amaxes are the
-        largest over that group's ranks.
-
-        Four launches at most: v's block sums (also zeroing the amaxes) and means, then one
-        amax pass and one cast over q, k and v together (program axis 2 picks the tensor):
-        the host's time per launch, not the GPU's, bounds an eager call at 1328^2."""
+        """q, k and v less its channel means ((B, H, L, D), last stride 1) in fp8, (B, L, H,
+        D) memory viewed (B, H, L, D); the float32 scales (slots DQ..DS) and v's channel
+        means (float32 (B, H, D); zeros without smooth_v). With `amax_group` (a name from
+        `register_amax_group()`) the amaxes are the largest over that group's ranks."""
         dev = q.device
-        b, h, lq, d = q.shape
-        lk = k.shape[2]
         if smooth_v:
-            amax = torch.empty(3, dtype=torch.int32, device=dev)
-            v_mean = channel_means(v, amax)
+            v_mean = channel_means(v)
         else:
-            amax = torch.zeros(3, dtype=torch.int32, device=dev)
-            v_mean = torch.zeros((b, h, d), dtype=torch.float32, device=dev)
-        block = 16384 // d
-        grid = (triton.cdiv(max(lq, lk), block), b * h, 3)
-        shape = (lq, lk, h, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-        _amax_kernel[grid](q, k, v, v_mean, amax, *shape, SUB_MEAN=smooth_v, D=d, BLOCK=block)
+            v_mean = torch.zeros(v.shape[:2] + v.shape[3:], dtype=torch.float32, device=dev)
+        amax = torch.zeros(3, dtype=torch.int32, device=dev)
+        scales = torch.empty(6, dtype=torch.float32, device=dev)
+        launches = []
+        for slot, x in enumerate((q, k, v)):
+            b, h, seq, d = x.shape
+            block = 16384 // d
+            grid = (triton.cdiv(seq, block), b * h)
+            args = (x, v_mean, amax[slot:])
+            shape = (seq, h, *x.stride()[:3])
+            sub_mean = smooth_v and slot == DV
+            _amax_kernel[grid](*args, *shape, SUB_MEAN=sub_mean, D=d, BLOCK=block)
+            launches.append((slot, x, grid, args, shape, sub_mean, block))
         if amax_group:  # non-negative floats order as their int32 bits do
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_amax_groups[amax_group])
-        q8 = torch.empty((b, lq, h, d), dtype=FP8, device=dev)
-        k8 = torch.empty((b, lk, h, d), dtype=FP8, device=dev)
-        v8 = torch.empty((b, lk, h, d), dtype=FP8, device=dev)
-        scales = torch.empty(8, dtype=torch.float32, device=dev)
-        _quant_kernel[grid](q, k, v, v_mean, amax, q8, k8, v8, scales, *shape,
-                            SUB_MEAN=smooth_v, D=d, BLOCK=block,
-                            INTERPRET=not q.is_cuda)  # fmt: skip
-        return [q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)], scales, v_mean
+        out = []
+        for slot, x, grid, args, shape, sub_mean, block in launches:
+            b, h, seq, d = x.shape
+            x8 = torch.empty((b, seq, h, d), dtype=FP8, device=dev)
+            _quant_kernel[grid](*args, x8, scales, *shape, SLOT=slot, SUB_MEAN=sub_mean,
+                                D=d, BLOCK=block, INTERPRET=not x.is_cuda)  # fmt: skip
+            out.append(x8.transpose(1, 2))
+        return out, scales, v_mean
 
     def dequantize(
         o8: torch.Tensor, scales: torch.Tensor, v_mean: torch.Tensor, dtype: torch.dtype
@@ -349,32 +298,15 @@ class _Plan:
         g.build_plans()
         self.graph, self.handle = g, handle
         self.workspace = g.get_workspace_size()
-        # The operands in one order (q, k, v, O, the six scales, the two amaxes): frontends
-        # that take buffers by uid skip building and hashing a dict per call.
-        tensors = (self.q, self.k, self.v, self.o, *self.scales, *self.amax)
-        self.uids = [t.get_uid() for t in tensors] if _takes_uids(g) else None
-        self.tensors = tensors
 
     def run(self, q8, k8, v8, scales: torch.Tensor, out: torch.Tensor) -> None:
-        """cuDNN's kernel on fp8 q8, k8, v8 ((B, H, L, D) over (B, L, H, D) memory) into the
-        fp8 `out` (B, Lq, H, D), on the current stream. `scales`: float32, `quantize`'s 8
-        slots (DQ..DS read; the last two take cuDNN's amaxes of P and O, unused)."""
-        bufs = (q8, k8, v8, out, *scales.split(1))
+        amax = torch.empty(2, dtype=torch.float32, device=out.device)
+        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
+                self.amax[0]: amax[0:1], self.amax[1]: amax[1:2]}  # fmt: skip
+        pack.update({t: scales[i : i + 1] for i, t in enumerate(self.scales)})
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=out.device)
         cudnn.set_stream(self.handle, torch.cuda.current_stream(out.device).cuda_stream)
-        if self.uids is not None:
-            self.graph.execute(bufs, ws, handle=self.handle, tensor_uids=self.uids)
-        else:
-            self.graph.execute(dict(zip(self.tensors, bufs, strict=True)), ws, handle=self.handle)
-
-
-def _takes_uids(graph) -> bool:
-    """Whether this cuDNN frontend's execute takes buffers in a list with `tensor_uids`
-    (1.32 does; older ones take a dict only)."""
-    try:
-        return "tensor_uids" in inspect.signature(graph.execute).parameters
-    except (TypeError, ValueError):  # a compiled method without a signature
-        return False
+        self.graph.execute(pack, ws, handle=self.handle)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor):
@@ -402,21 +334,12 @@ def _device_reason(device: torch.device) -> str | None:
     return None
 
 
-@functools.cache
-def _cuda_reason(index: int) -> str | None:
-    """`_device_reason` of CUDA device `index`, asked once (a property query per call
-    otherwise)."""
-    return _device_reason(torch.device("cuda", index))
-
-
 def attention_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why `attention_fp8` would run exact SDPA for these inputs, or None if it would not
     (before asking cuDNN, which may still decline a shape)."""
     if cudnn is None:
         return "the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend)"
-    reason = unsupported(q)
-    if reason is None:
-        reason = _cuda_reason(q.get_device()) if q.is_cuda else _device_reason(q.device)
+    reason = unsupported(q) or _device_reason(q.device)
     if reason is not None:
         return reason
     if q.dtype not in IN_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -441,9 +364,9 @@ def attention_fp8(
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
     128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
     leaves v's channel means in (only to measure what smoothing does). `amax_group`, a
-    process group's name from `register_amax_group()`, makes every rank of it quantize with
-    the amaxes of all their inputs together: ranks holding parts of one call's batch or heads
-    then round as one GPU holding it all would (each rank must make the call). Other inputs, GPUs
+    process group's name from `register_amax_group()`, makes every rank of it quantize with the amaxes
+    of all their inputs together: ranks holding parts of one call's batch or heads then
+    round as one GPU holding it all would (each rank must make the call). Other inputs, GPUs
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and
     log why once.
     """
