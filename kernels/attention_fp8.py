@@ -364,8 +364,8 @@ def attention_fp8(
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
     128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
     leaves v's channel means in (only to measure what smoothing does). `amax_group`, a
-    process group's name from `register_amax_group()`, makes every rank of it quantize with the amaxes
-    of all their inputs together: ranks holding parts of one call's batch or heads then
+    process group's name from `register_amax_group()`, makes every rank of it quantize with
+    the amaxes of all their inputs together: ranks holding parts of one call's batch or heads then
     round as one GPU holding it all would (each rank must make the call). Other inputs, GPUs
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and
     log why once.
