@@ -211,14 +211,24 @@ def set_steps(api: dict, steps: int) -> None:
             node["inputs"]["steps"] = steps
 
 
+def latent_shape(api: dict) -> list[int]:
+    """The shape of the latent the first sampler starts from: the empty latent's, or in an
+    Edit workflow (no empty latent) that of the scaled picture the VAE encodes."""
+    for node in api.values():
+        i = node["inputs"]
+        if node["class_type"].startswith("Empty"):
+            return [i["batch_size"], 16, 1, i["height"] // 8, i["width"] // 8]
+    scale = next(n["inputs"] for n in api.values() if n["class_type"] == "ImageScale")
+    return [1, 16, 1, scale["height"] // 8, scale["width"] // 8]
+
+
 def comfy_estimate_gib(api: dict) -> float | None:
-    """ComfyUI's estimate (BaseModel.memory_required) of what one model call of the empty
+    """ComfyUI's estimate (BaseModel.memory_required) of what one model call of the sampled
     latent needs on top of the weights, from the diffusion model loaded last."""
     import comfy.model_base
     import comfy.model_management as mm
 
-    latent = next(n["inputs"] for n in api.values() if n["class_type"].startswith("Empty"))
-    shape = [latent["batch_size"], 16, 1, latent["height"] // 8, latent["width"] // 8]
+    shape = latent_shape(api)
     for loaded in mm.current_loaded_models:
         model = getattr(loaded.model, "model", None)
         if isinstance(model, comfy.model_base.BaseModel):

@@ -79,6 +79,8 @@ def test_graphs_validate_at_full_size(comfy, path):
         assert valid and not node_errors, (variant, error, node_errors)
         save = "SaveImage" if variant == "stock" else "QwenTurboSaveImage"
         assert [api[k]["class_type"] for k in outputs] == [save]
+        batch, channels, frames, height, width = card.latent_shape(api)
+        assert (batch, channels, frames) == (1, 16, 1) and height * width >= 128**2, path.stem
     kinds = {v: {n["class_type"] for n in api.values()} for v, api in variants.items()}
     assert not kinds["stock"] & {"QwenTurboLoader", "QwenTurboCUDAGraphSampler",
                                  "QwenTurboVAEDecodeTiled", "QwenTurboVAEEncodeTiled",
@@ -135,6 +137,7 @@ def test_edit_workflow_runs_stock_and_pack(comfy):
         encode = "QwenTurboVAEEncodeTiled" if variant == "pack" else "VAEEncode"
         sampler = "QwenTurboCUDAGraphSampler" if variant == "pack" else "KSampler"
         assert {encode, sampler, "QwenTurboTestEditConditioning"} <= first["nodes"].keys()
+        assert card.comfy_estimate_gib(api) is not None  # the documented command's estimate
         later = card.run_once(executor, server, api, 2, 0)
         assert later["ok"], (variant, later)
         assert sampler in later["nodes"] and encode not in later["nodes"]
