@@ -42,6 +42,18 @@ def _load_pack():
 
 _load_pack()
 
+KERNEL_TESTS = ROOT / "tests" / "kernels"
+
+
+def pytest_collection_modifyitems(items):
+    """Tests under tests/kernels are host_independent (they test the pack's kernels against
+    their references), except those marked `host`, which compare with ComfyUI's own code.
+    .ci/run runs host_independent tests on its first host only: -m "not host_independent or
+    host" on the others."""
+    for item in items:
+        if KERNEL_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.host_independent)
+
 
 @pytest.fixture(scope="session")
 def qwen_vae():

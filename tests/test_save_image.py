@@ -61,6 +61,7 @@ def _unfilter(rows: np.ndarray, channels: int) -> np.ndarray:
     return out.astype(np.uint8)
 
 
+@pytest.mark.host_independent
 @pytest.mark.parametrize("shape", [(1, 1, 3), (7, 5, 4), (131, 97, 3), (40, 3, 3), (33, 64, 4)])
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 def test_encode_decodes_to_the_pixels(monkeypatch, shape, dtype):
@@ -84,6 +85,7 @@ def test_encode_decodes_to_the_pixels(monkeypatch, shape, dtype):
     assert np.array_equal(_unfilter(rows, shape[2]), expected.reshape(shape[0], -1))
 
 
+@pytest.mark.host_independent
 def test_each_row_takes_the_cheapest_filter():
     """Every row's filter is one whose output (as signed bytes) sums smallest of the four,
     each byte as the spec's predictor gives it: a ramp with noise, the row above given."""
@@ -106,6 +108,7 @@ def test_each_row_takes_the_cheapest_filter():
         assert list(row[1:]) == costs[row[0]][1]
 
 
+@pytest.mark.host_independent
 def test_compresses_as_pil_does():
     """A smooth picture with noise: no larger than PIL's file at SaveImage's level, by 1%."""
     y, x = np.mgrid[0:512, 0:640]

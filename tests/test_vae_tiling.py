@@ -61,11 +61,12 @@ def _max_tiles(vae, latent, tile_size, budget_gb):
 
 @pytest.mark.slow
 def test_qwen_vae_odd_latent_matches_untiled(qwen_vae):
-    z = _latent((1, 16, 1, 37, 53), 0)
+    # 3 x 4 tiles either way: border and interior tiles, an odd size on both axes
+    z = _latent((1, 16, 1, 21, 29), 0)
     ref = _stock(qwen_vae, z)
-    assert ref.shape == (1, 296, 424, 3) and ref.std() > 0.05
-    for tile in (0, 96):
-        budget = 0.05 if tile == 0 else 0.0  # 50 MiB: the planner must tile
+    assert ref.shape == (1, 168, 232, 3) and ref.std() > 0.05
+    for tile in (0, 64):
+        budget = 0.03 if tile == 0 else 0.0  # 30 MiB: the planner must tile
         assert _max_tiles(qwen_vae, z, tile, budget) > 1
         out = _tiled(qwen_vae, z, tile, budget)
         assert (out - ref).abs().max() <= TOL

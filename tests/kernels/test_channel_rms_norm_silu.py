@@ -249,6 +249,7 @@ def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
 @pytest.mark.parametrize(
     "shape,silu,bias", [((2, 96, 17, 29), True, False), ((2, 192, 2, 5, 29), False, True)]
 )
+@pytest.mark.host
 def test_wrapper_matches_comfyui_rms_norm(shape, silu, bias):
     from comfy.ldm.wan.vae import RMS_norm
 
@@ -274,6 +275,7 @@ def test_wrapper_matches_comfyui_rms_norm(shape, silu, bias):
     _assert_close_to_fp64(out, x, gamma, b, silu)
 
 
+@pytest.mark.host
 def test_wrapper_rejects_channel_last_norm():
     from comfy.ldm.wan.vae import RMS_norm
 

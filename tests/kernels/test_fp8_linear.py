@@ -347,6 +347,7 @@ def _scaled_fp8_linears():
     return out
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("linear_cls", _scaled_fp8_linears(), ids=lambda c: c.__module__)
 def test_fallback_matches_scaled_fp8_linear(linear_cls):
     """The fallback is the scaled-fp8 Linear's bf16 path bit for bit when x has more elements

@@ -434,6 +434,7 @@ def _block_with_kernels(block, img, txt, temb, rope):
     return txt, img
 
 
+@pytest.mark.host
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_comfyui_block_forward_with_kernels(kernel_only, monkeypatch, dtype):

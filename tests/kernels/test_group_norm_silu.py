@@ -272,6 +272,7 @@ def test_module_matches_group_norm_and_silu(silu, kernel_only):
     torch.testing.assert_close(mod(x), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.host
 @needs_triton
 def test_module_casts_comfy_parameters_to_x(kernel_only):
     # ComfyUI keeps parameters in their own dtype (and maybe device) and casts per call.

@@ -273,6 +273,7 @@ def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
 # ComfyUI's own block: img_norm1 + _modulate, the step the kernel replaces.
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_comfyui_block_norm1_modulate(dtype):
     import comfy.ops

@@ -76,6 +76,7 @@ def test_fallback_cpu_without_bias(fresh_log):
     _assert_falls_back(x, weight, None, fresh_log, "tensors on cpu are not supported")
 
 
+@pytest.mark.host
 def test_reference_is_comfyui_feedforward_first_half():
     """The reference is ComfyUI's FeedForward up to the second linear: net[0] (GELU module,
     approximate="tanh"), bit for bit."""

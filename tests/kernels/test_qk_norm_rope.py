@@ -33,6 +33,9 @@ LAYOUTS = ["bhld", "blhd"]
 OP = "qk_norm_rope"  # as the fallback log names it
 REFERENCES = (mod, "qk_norm_rope_reference")  # what `kernel_only` makes fail
 
+# The rotation tables come from ComfyUI's own code (EmbedND, process_img): every host.
+pytestmark = pytest.mark.host
+
 
 def _axes(dh):
     """Qwen-Image's (16, 56, 56) split of 128 head dims, scaled to dh (each part even)."""
