@@ -39,8 +39,9 @@ def bench_rows(size: int, layers: int) -> list[dict]:
     from .kernels.fp8_linear import fp8_gemm_reason
     from .nodes.vae_patches import FusedNormPatch, TextureUpsample
     from .nodes.vae_tiling import VAEDecodeTiled
-    from .runtime import qwen_dit, qwen_loader
     from .runtime.bench import NARROW, forward_fn, qwen_dit_state_dict, qwen_vae, rel_l2, timed
+    from .runtime.dit import loader
+    from .runtime.dit.config import read_config
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -51,14 +52,14 @@ def bench_rows(size: int, layers: int) -> list[dict]:
     if cuda:
         stock = comfy.sd.load_diffusion_model_state_dict(dict(sd))
     else:  # UNETLoader cannot load the narrow width: the stock block, unfused
-        stock = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "bf16")
+        stock = loader.build(dict(sd), read_config(sd), "bf16")
     mm.load_models_gpu([stock])
     ms_stock, ref = timed(forward_fn(stock, size))
     del stock
     mm.unload_all_models()
-    pack = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weights)
-    qwen_loader.add_fused_blocks(pack)
-    qwen_loader.set_attention(pack, "sdpa")
+    pack = loader.build(dict(sd), read_config(sd), weights)
+    loader.add_fused_blocks(pack)
+    loader.set_attention(pack, "sdpa")
     mm.load_models_gpu([pack])
     ms_pack, out = timed(forward_fn(pack, size))
     rows.append({"what": f"DiT forward, {layers} layers", "stock_ms": ms_stock,

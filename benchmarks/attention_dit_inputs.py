@@ -30,15 +30,15 @@ def main():
     import torch.nn.functional as F
 
     from qwen_turbo.kernels.attention_fp8 import attention_fp8
-    from qwen_turbo.runtime import qwen_dit, qwen_loader
-    from qwen_turbo.runtime.attention import attention_override
     from qwen_turbo.runtime.bench import forward_fn, qwen_dit_state_dict
+    from qwen_turbo.runtime.dit import config, loader
+    from qwen_turbo.runtime.dit.attention import attention_override
 
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")
     sd = qwen_dit_state_dict(60, "cuda")
-    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "bf16")
-    qwen_loader.add_fused_blocks(patcher)
+    patcher = loader.build(dict(sd), config.read_config(sd), "bf16")
+    loader.add_fused_blocks(patcher)
     sdpa, kept, layer = attention_override("sdpa"), {}, [0]
 
     def keep(func, *args, **kwargs):  # the fused block calls it with (B, H, L, D) views

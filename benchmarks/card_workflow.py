@@ -59,7 +59,8 @@ def write_models(root: Path, api: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from qwen_turbo.runtime import bench, qwen_dit
+    from qwen_turbo.runtime import bench
+    from qwen_turbo.runtime.dit import config, convert
 
     names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
     dit = root / "diffusion_models" / names["unet_name"]
@@ -73,8 +74,8 @@ def write_models(root: Path, api: dict) -> None:
             if "2511" in dit.name:  # Comfy-Org's Edit-2511 file: fp8mixed, the marker key
                 from tests.harness.models import to_fp8mixed
 
-                sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
-                sd = to_fp8mixed(qwen_dit.to_scaled_fp8(sd))
+                sd[config.TIMESTEP_ZERO] = torch.tensor([])
+                sd = to_fp8mixed(convert.to_scaled_fp8(sd))
             else:
                 sd = bench.repackaged_fp8(sd)
             dit.parent.mkdir(parents=True, exist_ok=True)

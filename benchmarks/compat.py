@@ -120,13 +120,14 @@ def base_model(a):
     """(loader → ModelSamplingAuraFlow, graph backend)."""
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
-    from qwen_turbo.runtime import cuda_graphs, host, qwen_loader
+    from qwen_turbo.runtime import cuda_graphs, host
+    from qwen_turbo.runtime.dit import files, loader
     from tests.harness import models
 
     if a.tiny:  # as tests/test_graph_compat.py builds it
         from tests.test_cuda_graph_sampler import TracedGraphs
 
-        loaded = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_narrow_file()))
+        loaded = loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
         return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], TracedGraphs
     import torch
 

@@ -38,7 +38,7 @@ VARIANTS = {
 def load(variant, sd):
     import comfy.sd
 
-    from qwen_turbo.runtime import qwen_dit, qwen_loader
+    from qwen_turbo.runtime.dit import config, fp8, loader
 
     kind, dtype, attention, fused, compile_ = VARIANTS[variant]
     if kind == "stock":
@@ -48,13 +48,13 @@ def load(variant, sd):
 
             options = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
         return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=options)
-    qwen_loader.GEMV_ROWS = 0 if variant.endswith("fp8 GEMV") else 16
-    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), dtype)
+    fp8.GEMV_ROWS = 0 if variant.endswith("fp8 GEMV") else 16
+    patcher = loader.build(dict(sd), config.read_config(sd), dtype)
     if fused:
-        qwen_loader.add_fused_blocks(patcher)
-    qwen_loader.set_attention(patcher, attention)
+        loader.add_fused_blocks(patcher)
+    loader.set_attention(patcher, attention)
     if compile_ == "regional":
-        qwen_loader.compile_blocks(patcher)
+        loader.compile_blocks(patcher)
     return patcher
 
 

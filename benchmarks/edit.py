@@ -83,12 +83,13 @@ def run(a):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import bench, cuda_graphs, memory, qwen_dit
+    from qwen_turbo.runtime import bench, cuda_graphs, memory
+    from qwen_turbo.runtime.dit import config
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(a.layers, "cuda").items()}
     torch.cuda.empty_cache()
     if a.variant == "2511":
-        sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
+        sd[config.TIMESTEP_ZERO] = torch.tensor([])
 
     def timed(fn):
         torch.cuda.synchronize()

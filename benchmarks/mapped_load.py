@@ -7,7 +7,7 @@ variant maps the file afresh (in the OS cache, as after the first run of a sessi
   populated     the mapping's page tables filled first (madvise MADV_POPULATE_READ), then
                 the same copies; the populate's own time is counted
   alongside     the populate on another thread, ahead of the same copies
-  staged        the Optimized Loader's copy (runtime/weight_streaming.Uploader): each
+  staged        the Optimized Loader's copy (runtime/dit/streaming.Uploader): each
                 weight copied into a page-locked buffer by a few threads, then to the GPU
                 from there; a synchronize after each
   aimdo         each weight read from the file straight to the GPU by comfy-aimdo's file
@@ -105,7 +105,7 @@ def run(path: Path, variant: str) -> dict:
         fd = os.open(path, os.O_RDONLY)
         t0 = t1 = time.perf_counter()  # the reader's setup is not the copies'
     if variant == "staged":
-        from qwen_turbo.runtime.weight_streaming import Uploader
+        from qwen_turbo.runtime.dit.streaming import Uploader
 
         uploader = Uploader(max(BLOCK))
     for offset, n in spans:
@@ -149,7 +149,7 @@ def main():
     p.add_argument("--fill-threads", type=int, help="the Uploader's threads (staged)")
     a = p.parse_args()
     if a.fill_threads:
-        import qwen_turbo.runtime.weight_streaming as ws
+        import qwen_turbo.runtime.dit.streaming as ws
 
         ws.FILL_THREADS = a.fill_threads
     path = Path(a.path)

@@ -34,13 +34,13 @@ PACK_VARIANTS = [v for v, spec in VARIANTS.items() if spec[0] == "pack"] + ["fp3
 
 
 def build(variant, sd):
-    from qwen_turbo.runtime import qwen_dit, qwen_loader
+    from qwen_turbo.runtime.dit import config, loader
 
     if variant != "fp32 fused sdpa":
         return load(variant, sd)
-    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "auto")
-    qwen_loader.add_fused_blocks(patcher)
-    qwen_loader.set_attention(patcher, "sdpa")
+    patcher = loader.build(dict(sd), config.read_config(sd), "auto")
+    loader.add_fused_blocks(patcher)
+    loader.set_attention(patcher, "sdpa")
     return patcher
 
 

@@ -45,15 +45,15 @@ def fp8_file_state_dict(layers: int) -> dict:
 def load(variant: str, sd: dict, lora: dict | None):
     import comfy.sd
 
-    from qwen_turbo.runtime import qwen_dit, qwen_loader
+    from qwen_turbo.runtime.dit import config, loader
 
     if variant == "stock":
         patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd))
     else:
-        patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "fp8_e4m3fn_fast")
-        qwen_loader.add_fused_blocks(patcher)
+        patcher = loader.build(dict(sd), config.read_config(sd), "fp8_e4m3fn_fast")
+        loader.add_fused_blocks(patcher)
         if variant == "pack":
-            qwen_loader.stream_offloaded_weights(patcher)
+            loader.stream_offloaded_weights(patcher)
     if lora is not None:
         patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
     return patcher

@@ -9,7 +9,8 @@ from comfy_api.latest import io
 
 import nodes as comfy_nodes
 
-from ..runtime import batch_fit, cuda_graphs, host, log_once, memory, qwen_loader
+from ..runtime import batch_fit, cuda_graphs, host, log_once, memory
+from ..runtime.dit.loader import host_estimate
 from . import report
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
     mm.soft_empty_cache()
     note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
     log.warning("CUDA Graph Sampler: %s", note)
-    with qwen_loader.host_estimate(model):
+    with host_estimate(model):
         return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
 

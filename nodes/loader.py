@@ -3,7 +3,7 @@ blocks; a plain MODEL for every stock node."""
 
 from comfy_api.latest import io
 
-from ..runtime import qwen_dit, qwen_loader
+from ..runtime.dit import files, loader
 from . import report
 
 
@@ -21,18 +21,18 @@ class Loader(io.ComfyNode):
             ),
             inputs=[
                 io.Combo.Input(
-                    "unet_name", options=qwen_loader.model_names(),
+                    "unet_name", options=files.model_names(),
                     tooltip="A file in models/diffusion_models (UNETLoader's list), or a "
                     "diffusers folder there holding transformer/config.json and its shards.",
                 ),
                 io.Combo.Input(
-                    "weight_dtype", options=qwen_loader.WEIGHT_DTYPES, default="auto",
+                    "weight_dtype", options=loader.WEIGHT_DTYPES, default="auto",
                     tooltip="auto: fp8 for fp8 files, else bf16. fp8_e4m3fn halves the VRAM "
                     "of bf16 with a small error; fp8_e4m3fn_fast also computes in fp8 on Ada, "
                     "Hopper and Blackwell: the fastest, with a little more error.",
                 ),
                 io.Combo.Input(
-                    "attention", options=qwen_loader.ATTENTION, default="auto",
+                    "attention", options=loader.ATTENTION, default="auto",
                     tooltip="auto: ComfyUI's choice. sdpa: PyTorch's, cuDNN first. flash: "
                     "FlashAttention first. fp8_cudnn: cuDNN's fp8 attention on Hopper and newer "
                     "(needs nvidia-cudnn-frontend, else sdpa): faster at large sizes, a little "
@@ -44,7 +44,7 @@ class Loader(io.ComfyNode):
                     "kernels: faster, the same result within rounding. PyTorch without Triton.",
                 ),
                 io.Combo.Input(
-                    "compile", options=qwen_loader.COMPILE, default="off",
+                    "compile", options=loader.COMPILE, default="off",
                     tooltip="regional: torch.compile each transformer block. The first run "
                     "at each size waits for the compile; little gain on top of fused_kernels.",
                 ),
@@ -57,10 +57,11 @@ class Loader(io.ComfyNode):
     def execute(cls, unet_name, weight_dtype, attention, fused_kernels, compile) -> io.NodeOutput:
         try:
             with report.measured(cls) as extra:
-                model = qwen_loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
-                extra["weights"] = model.qwen_turbo_weights
-                if model.qwen_turbo_notes:
-                    extra["note"] = "; ".join(model.qwen_turbo_notes)
-        except (qwen_dit.NotQwenImageDiT, qwen_loader.HostLacks, qwen_loader.Unreadable) as e:
+                model = loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
+                state = model.model.qwen_turbo
+                extra["weights"] = state.weights
+                if state.notes:
+                    extra["note"] = "; ".join(state.notes)
+        except loader.USER_ERRORS as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

@@ -63,7 +63,7 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
         attr(QWEN, "optimized_attention_masked"),
         attr(QWEN, "QwenImageTransformerBlock._modulate"),
     ],
-    "fp8_weights": [  # what qwen_loader.Fp8Linear calls
+    "fp8_weights": [  # what dit.fp8.Fp8Linear calls
         attr("comfy.ops", "cast_bias_weight"),
         attr("comfy.float", "stochastic_rounding"),
         attr("comfy.lora", "calculate_weight"),

@@ -185,7 +185,8 @@ def test_edit_conditioning_encodes_what_the_host_node_encodes():
 def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
     """Edit-2509's file: every matrix fp8; Edit-2511's: fp8mixed with the marker key, read as
     index_timestep_zero; the LoRA on every block linear, written where only it is missing."""
-    from qwen_turbo.runtime import bench, qwen_dit
+    from qwen_turbo.runtime import bench
+    from qwen_turbo.runtime.dit import config, convert
 
     small = bench.qwen_dit_state_dict
     monkeypatch.setattr(
@@ -205,7 +206,7 @@ def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
             assert all(matrices[k] == torch.bfloat16 for k in matrices.keys() - blocks)
         else:
             assert set(matrices.values()) == {torch.float8_e4m3fn}
-        methods[name] = qwen_dit.read_config(qwen_dit.from_mixed(sd)).default_ref_method
+        methods[name] = config.read_config(convert.from_mixed(sd)).default_ref_method
         lora = root / "loras" / names["lora_name"]
         assert len(load_file(str(lora))) == 2 * len(blocks)
         lora.unlink()

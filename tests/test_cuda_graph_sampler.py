@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import batch_fit, cuda_graphs, memory, qwen_loader
+from qwen_turbo.runtime import batch_fit, cuda_graphs, memory
+from qwen_turbo.runtime.dit import files, loader
 from tests.harness import models
 
 
@@ -360,7 +361,7 @@ def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkey
     model_unload → partially_unload). The Optimized Loader's model drops its cached graphs
     first; what that adds to ComfyUI's free count (`gain`) is taken off what its weights must
     free: of 100 bytes asked, none with 150 gained, 50 with 50."""
-    loaded = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_file()))
+    loaded = loader.build(*files.read_checkpoint(models.qwen_dit_file()))
     model = ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
@@ -396,7 +397,7 @@ def test_room_asked_of_the_loaders_model_on_a_gpu_comes_from_its_graphs_first():
     left, it offloads weights as ComfyUI does."""
     cuda = torch.device("cuda")
     with torch.inference_mode():  # as the executor runs nodes
-        model = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_file()))
+        model = loader.build(*files.read_checkpoint(models.qwen_dit_file()))
         model.load_device = cuda
         model.load(cuda, full_load=True)
         w = model.model.diffusion_model.img_in.weight
@@ -738,10 +739,10 @@ def test_policy_trusts_the_packs_code_only(dit):
     """The Optimized Loader's fused block forwards and attention override, ComfyUI's model
     sampling, torch.compile and wrappers outside the runner's own are allowed in a graph;
     a foreign wrapper inside it or below its level, or a foreign attention override, is not."""
-    from qwen_turbo.runtime import attention, qwen_loader
+    from qwen_turbo.runtime.dit import attention
 
     patcher = dit.clone()
-    qwen_loader.add_fused_blocks(patcher)
+    loader.add_fused_blocks(patcher)
     assert "model_sampling" in patcher.object_patches and len(patcher.object_patches) > 1
     assert cuda_graphs.foreign_object_patch(patcher.object_patches) is None
 

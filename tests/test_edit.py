@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 import nodes
 from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime import cuda_graphs, qwen_dit, qwen_loader
+from qwen_turbo.runtime import cuda_graphs
+from qwen_turbo.runtime.dit import config, files, loader
 from tests.harness import models
 from tests.test_cuda_graph_sampler import FakeGraphs, TracedGraphs
 
@@ -65,7 +66,7 @@ def _rel(a, b):
 def host_block_reasons(monkeypatch):
     """Why the fused block handed a call to the host's block, for each such call."""
     reasons = []
-    monkeypatch.setattr(qwen_loader, "_host_block", reasons.append)
+    monkeypatch.setattr(loader, "_host_block", reasons.append)
     return reasons
 
 
@@ -81,7 +82,7 @@ def test_config_is_what_comfys_detection_reads(variant, method, t_cond):
     """The variant by its marker key; every setting ComfyUI's own detection reads from these
     weights (this host's: v0.3.64 reads no variant) is the same in the loader's config."""
     sd = load_file(str(_file(variant)))
-    cfg = qwen_dit.read_config(sd)
+    cfg = config.read_config(sd)
     assert (cfg.default_ref_method, cfg.use_additional_t_cond) == (method, t_cond)
     unet = cfg.unet_config()
     assert ("default_ref_method" in unet) == (variant != "edit_2509")
@@ -94,10 +95,10 @@ def test_diffusers_folder_of_edit_2511(tmp_path):
     import json
 
     folder = models.diffusers_folder(models.qwen_dit_narrow_file(), tmp_path)
-    assert qwen_loader.read_checkpoint(folder)[1].default_ref_method == "index"
-    config = folder / "transformer" / "config.json"
-    config.write_text(json.dumps(json.loads(config.read_text()) | {"zero_cond_t": True}))
-    assert qwen_loader.read_checkpoint(folder)[1].default_ref_method == "index_timestep_zero"
+    assert files.read_checkpoint(folder)[1].default_ref_method == "index"
+    config_json = folder / "transformer" / "config.json"
+    config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"zero_cond_t": True}))
+    assert files.read_checkpoint(folder)[1].default_ref_method == "index_timestep_zero"
 
 
 @pytest.mark.skipif(VARIANTS_ON_HOST, reason="this ComfyUI runs Edit-2511")
@@ -133,15 +134,15 @@ def test_loader_equals_unetloader_with_reference_latents(variant, refs, batch, h
     x, ctx, latents = _inputs(batch, REFS[refs])
     stock = comfy.sd.load_diffusion_model(str(path))
     ref = _forward(stock, x, ctx, latents)
-    sd, cfg = qwen_loader.read_checkpoint(path)
-    ours = qwen_loader.build(dict(sd), cfg)
+    sd, cfg = files.read_checkpoint(path)
+    ours = loader.build(dict(sd), cfg)
     torch.testing.assert_close(_forward(ours, x, ctx, latents), ref, rtol=0, atol=0)
-    qwen_loader.add_fused_blocks(ours)
+    loader.add_fused_blocks(ours)
     assert _rel(_forward(ours, x, ctx, latents), ref) < 1e-5
     assert host_block_reasons == []
     assert _rel(_forward(ours, x, ctx, []), ref) > 1e-2  # the references count
     if variant != "edit_2509":  # the same weights read as Edit-2509's
-        as_2509 = qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_file()))
+        as_2509 = loader.build(*files.read_checkpoint(models.qwen_dit_file()))
         assert _rel(_forward(as_2509, x, ctx, latents), ref) > 1e-3
     mm.unload_all_models()
 
@@ -156,9 +157,9 @@ def test_reference_method_from_the_conds(method, host_block_reasons):
     x, ctx, latents = _inputs(1, REFS["two"])
     stock = comfy.sd.load_diffusion_model(str(path))
     ref = _forward(stock, x, ctx, latents, ref_latents_method=method)
-    sd, cfg = qwen_loader.read_checkpoint(path)
-    ours = qwen_loader.build(dict(sd), cfg)
-    qwen_loader.add_fused_blocks(ours)
+    sd, cfg = files.read_checkpoint(path)
+    ours = loader.build(dict(sd), cfg)
+    loader.add_fused_blocks(ours)
     assert _rel(_forward(ours, x, ctx, latents, ref_latents_method=method), ref) < 1e-5
     assert host_block_reasons == []
     mm.unload_all_models()
@@ -174,7 +175,7 @@ def test_edit_2511_fp8mixed_loads_as_comfy_ships_it(diffusion_models, host_block
     (diffusion_models / path.name).unlink(missing_ok=True)
     (diffusion_models / path.name).symlink_to(path)
     model = Loader.execute(path.name, "auto", "auto", True, "off").result[0]
-    assert model.qwen_turbo_weights == "fp8_e4m3fn"
+    assert model.model.qwen_turbo.weights == "fp8_e4m3fn"
     assert model.model.diffusion_model.default_ref_method == "index_timestep_zero"
     x, ctx, latents = _inputs(1, REFS["two"])
     ours = _forward(model, x, ctx, latents)
@@ -193,10 +194,10 @@ def test_edit_2511_fp8mixed_loads_as_comfy_ships_it(diffusion_models, host_block
 
 
 def _edit_model(variant: str, fused: bool):
-    sd, cfg = qwen_loader.read_checkpoint(_file(variant))
-    patcher = qwen_loader.build(sd, cfg)
+    sd, cfg = files.read_checkpoint(_file(variant))
+    patcher = loader.build(sd, cfg)
     if fused:  # the Triton interpreter runs them on CPU: slow, so not in every case
-        qwen_loader.add_fused_blocks(patcher)
+        loader.add_fused_blocks(patcher)
     return ModelSamplingAuraFlow().patch_aura(patcher, 3.1)[0]
 
 

@@ -18,7 +18,8 @@ from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import cuda_graphs, qwen_loader
+from qwen_turbo.runtime import cuda_graphs
+from qwen_turbo.runtime.dit import files, loader
 from tests.harness import models
 from tests.harness.compat_nodes import (
     CALL,
@@ -41,7 +42,7 @@ TEXT = models.NARROW["joint_attention_dim"]
 def loaded():
     """The narrow 2-block Qwen-Image DiT as a plain ModelPatcher, as UNETLoader's (ComfyUI's
     loader reads full-width configs only; the pack's builder, without its kernels)."""
-    return qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_narrow_file()))
+    return loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
 
 
 @pytest.fixture(scope="module")

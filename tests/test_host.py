@@ -93,7 +93,7 @@ def _overrides_attention(model) -> bool:
 LOADER_SETTINGS = {
     "fp8_weights": (
         ("fp8_e4m3fn", "auto", "off"),
-        lambda m: m.qwen_turbo_weights == "fp8_e4m3fn",
+        lambda m: m.model.qwen_turbo.weights == "fp8_e4m3fn",
         "fp8_e4m3fn off",
     ),
     "attention_override": (("bf16", "sdpa", "off"), _overrides_attention, "sdpa attention off"),

@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 import nodes
 import qwen_turbo.runtime
 from qwen_turbo.nodes.multigpu import MultiGPU
-from qwen_turbo.runtime import attention, multigpu, qwen_loader
+from qwen_turbo.runtime import multigpu
+from qwen_turbo.runtime.dit import attention, files, loader
 from qwen_turbo.runtime.multigpu import wire
 from tests.conftest import COMFY
 from tests.harness import models
@@ -52,7 +53,7 @@ def _stop_workers():
 
 @pytest.fixture(scope="module")
 def loaded():
-    return qwen_loader.build(*qwen_loader.read_checkpoint(models.qwen_dit_narrow_file()))
+    return loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,8 @@ def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
     """The Optimized Loader's fused blocks and attention override run on the workers too
     (fp8_cudnn with its scales over the ranks; on CPU it runs exact attention)."""
     fast = loaded.clone()
-    qwen_loader.add_fused_blocks(fast)
-    qwen_loader.set_attention(fast, attention)
+    loader.add_fused_blocks(fast)
+    loader.set_attention(fast, attention)
     fast = ModelSamplingAuraFlow().patch_aura(fast, 3.1)[0]
     ref = _sample(fast, 1.0)
     model = multigpu.parallel(fast, _cpus(2), "sequence-parallel", backend="gloo")
@@ -127,7 +128,7 @@ def test_block_patches_the_workers_cannot_rebuild_run_on_rank_0(loaded, patch):
     """Workers rebuild the fused forward on every block or none; a model with it on some
     blocks, or with another node's forward on a block, runs on rank 0 with the same result."""
     model = loaded.clone()
-    qwen_loader.add_fused_blocks(model)
+    loader.add_fused_blocks(model)
     key = "diffusion_model.transformer_blocks.1.forward"
     if patch == "fused on some blocks":
         del model.object_patches[key]
@@ -174,8 +175,8 @@ def test_weights_follow_a_lora_and_back(dit):
 def test_weights_patched_on_the_fly_are_sent_as_a_full_load_patches_them(weight_dtype):
     """Rank 0 partly loaded (lowvram: LoRA applied per call): the workers get each weight as
     a full load patches it in place, bit for bit."""
-    sd, cfg = qwen_loader.read_checkpoint(models.qwen_dit_narrow_file())
-    with_lora = _lora(qwen_loader.build(sd, cfg, weight_dtype))
+    sd, cfg = files.read_checkpoint(models.qwen_dit_narrow_file())
+    with_lora = _lora(loader.build(sd, cfg, weight_dtype))
     keys = sorted(with_lora.patches)
     with torch.inference_mode():
         with_lora.load(with_lora.load_device, lowvram_model_memory=1)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from qwen_turbo.kernels.fp8_linear import FP8
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime import qwen_dit, qwen_loader
+from qwen_turbo.runtime.dit import blocks, config, convert, files, fp8, loader
 from tests.harness import models
 from tests.kernels.common import assert_error_rule
 
@@ -23,7 +23,7 @@ def narrow_sd():
     return load_file(str(models.qwen_dit_narrow_file()))
 
 
-def _inputs(cfg: qwen_dit.DiTConfig, seed=1, h=12, w=10, tokens=7):
+def _inputs(cfg: config.DiTConfig, seed=1, h=12, w=10, tokens=7):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, cfg.out_channels, 1, h, w, generator=g)
     ctx = torch.randn(1, tokens, cfg.joint_attention_dim, generator=g)
@@ -50,35 +50,35 @@ def _rel(a, b):
 
 
 def test_config_read_from_full_width_and_narrow_weights(narrow_sd):
-    full = qwen_dit.read_config(load_file(str(models.qwen_dit_file())))
-    assert full == qwen_dit.DiTConfig(64, 16, 1, 128, 24, 3584, (16, 56, 56))
-    narrow = qwen_dit.read_config(narrow_sd)
-    assert narrow == qwen_dit.DiTConfig(64, 16, 2, 32, 4, 64, (4, 14, 14))
+    full = config.read_config(load_file(str(models.qwen_dit_file())))
+    assert full == config.DiTConfig(64, 16, 1, 128, 24, 3584, (16, 56, 56))
+    narrow = config.read_config(narrow_sd)
+    assert narrow == config.DiTConfig(64, 16, 2, 32, 4, 64, (4, 14, 14))
     assert narrow.width == 128
     prefixed = {"model.diffusion_model." + k: v for k, v in narrow_sd.items()}
-    assert qwen_dit.read_config(qwen_dit.strip_prefix(prefixed)) == narrow
+    assert config.read_config(convert.strip_prefix(prefixed)) == narrow
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_default_rope_axes_split_the_head(head_dim):
-    axes = qwen_dit.default_rope_axes(head_dim)
+    axes = config.default_rope_axes(head_dim)
     assert sum(axes) == head_dim and all(a % 2 == 0 and a > 0 for a in axes)
 
 
 def test_wrong_files_are_named(narrow_sd):
     vae = load_file(str(models.qwen_vae_file()))
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="a Wan / Qwen-Image VAE"):
-        qwen_dit.read_config(vae)
+    with pytest.raises(config.NotQwenImageDiT, match="a Wan / Qwen-Image VAE"):
+        config.read_config(vae)
     lora = load_file(str(models.narrow_lora_file()))
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="a LoRA"):
-        qwen_dit.read_config(lora)
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="no Qwen-Image DiT keys.*'foo.bar'"):
-        qwen_dit.read_config({"foo.bar": torch.ones(2)})
+    with pytest.raises(config.NotQwenImageDiT, match="a LoRA"):
+        config.read_config(lora)
+    with pytest.raises(config.NotQwenImageDiT, match="no Qwen-Image DiT keys.*'foo.bar'"):
+        config.read_config({"foo.bar": torch.ones(2)})
     broken = {k: v for k, v in narrow_sd.items() if not k.startswith("transformer_blocks.0.")}
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="norm_q"):
-        qwen_dit.read_config(broken)
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="RoPE axes"):
-        qwen_dit.read_config(narrow_sd, rope_axes=[16, 56, 56])
+    with pytest.raises(config.NotQwenImageDiT, match="norm_q"):
+        config.read_config(broken)
+    with pytest.raises(config.NotQwenImageDiT, match="RoPE axes"):
+        config.read_config(narrow_sd, rope_axes=[16, 56, 56])
 
 
 def test_node_errors_name_the_problem(diffusion_models, models_dir):
@@ -112,7 +112,7 @@ def test_converting_the_weights_shows_progress_and_stops_when_asked(narrow_sd, m
                                                                    weight_dtype):  # fmt: skip
     """bf16 weights made fp8, or fp8 weights made bf16, on the CPU: ComfyUI's progress bar
     runs to the end, at most a hundred updates; an interrupt stops the pass."""
-    sd = dict(narrow_sd) if weight_dtype == "fp8_e4m3fn" else qwen_dit.to_scaled_fp8(narrow_sd)
+    sd = dict(narrow_sd) if weight_dtype == "fp8_e4m3fn" else convert.to_scaled_fp8(narrow_sd)
     updates = []
 
     class Bar:
@@ -123,14 +123,14 @@ def test_converting_the_weights_shows_progress_and_stops_when_asked(narrow_sd, m
             updates.append((value, total))
 
     monkeypatch.setattr(comfy.utils, "ProgressBar", Bar)
-    cfg = qwen_dit.read_config(narrow_sd)
-    assert qwen_loader.build(dict(sd), cfg, weight_dtype).qwen_turbo_weights == weight_dtype
+    cfg = config.read_config(narrow_sd)
+    assert loader.build(dict(sd), cfg, weight_dtype).model.qwen_turbo.weights == weight_dtype
     assert updates[-1] == (len(sd), len(sd)) and len(updates) <= 101
     assert [v for v, _ in updates] == sorted({v for v, _ in updates})
     mm.interrupt_current_processing(True)
     try:
         with pytest.raises(mm.InterruptProcessingException):
-            qwen_loader.build(dict(sd), cfg, weight_dtype)
+            loader.build(dict(sd), cfg, weight_dtype)
     finally:
         mm.interrupt_current_processing(False)
 
@@ -146,7 +146,7 @@ def _block_inputs(width, dtype, seed=3, n_img=37, n_txt=11, head_dim=32):
     txt = torch.randn(1, n_txt, width, generator=g)
     temb = torch.randn(1, width, generator=g)
     ids = torch.randn(1, n_img + n_txt, 3, generator=g) * 20
-    axes = qwen_dit.default_rope_axes(head_dim)
+    axes = config.default_rope_axes(head_dim)
     freqs = EmbedND(dim=head_dim, theta=10000, axes_dim=list(axes))(ids).squeeze(1).unsqueeze(2)
     return [t.to(dtype) for t in (img, txt, temb, freqs)]
 
@@ -166,7 +166,7 @@ def test_fused_block_equals_comfy_block(dtype):
 
     block = _comfy_block(dtype)
     img, txt, temb, freqs = _block_inputs(128, dtype)
-    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked)
+    fused = blocks.fused_block_forward(block, qm.optimized_attention_masked)
     freqs = models.host_rope(freqs)  # as the host's model passes it
     # Newer hosts' RoPE (comfy-kitchen) has no float64; float32 is far more exact than bf16.
     wide = torch.float32 if hasattr(qm, "apply_rope1") else torch.float64
@@ -204,7 +204,7 @@ def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
     img, txt, temb, freqs = _block_inputs(128, torch.float32)
     freqs = models.host_rope(freqs)
     reasons = []
-    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
+    fused = blocks.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
     mask = torch.ones(1, txt.shape[1])
     patch = {"patches": {"attn1_patch": [lambda q, k, v, **kw: {}]}}
     calls = [((None,), {"transformer_options": patch}, "attn1_patch")]
@@ -244,7 +244,7 @@ def test_fused_block_modulates_reference_tokens_at_timestep_zero(dtype, batch):
     freqs = models.host_rope(freqs)
     split = 24  # of 37 image tokens: 13 reference tokens
     reasons = []
-    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
+    fused = blocks.fused_block_forward(block, qm.optimized_attention_masked, reasons.append)
     wide = torch.float32
     with torch.inference_mode():
         out = fused(img, txt, None, temb, freqs, timestep_zero_index=split)
@@ -275,7 +275,7 @@ def test_fused_block_equals_diffusers_block():
     img, txt, temb, freqs = _block_inputs(128, torch.float32)
     rot = torch.complex(freqs[0, :, 0, :, 0, 0], freqs[0, :, 0, :, 1, 0])  # (L, Dh/2)
     n_txt = txt.shape[1]
-    fused = qwen_dit.fused_block_forward(block, qm.optimized_attention_masked)
+    fused = blocks.fused_block_forward(block, qm.optimized_attention_masked)
     with torch.inference_mode():
         ours = fused(img, txt, None, temb, freqs)
         ref = theirs(img, txt, None, temb, image_rotary_emb=(rot[n_txt:], rot[:n_txt]))
@@ -291,12 +291,12 @@ def test_loader_equals_stock_unetloader():
     within float32 rounding."""
     path = models.qwen_dit_file()
     stock = comfy.sd.load_diffusion_model(str(path))
-    sd, cfg = qwen_loader.read_checkpoint(path)
+    sd, cfg = files.read_checkpoint(path)
     x, ctx = _inputs(cfg, h=8, w=6, tokens=5)
     ref = _forward(stock, x, ctx)
-    plain = qwen_loader.build(dict(sd), cfg)
+    plain = loader.build(dict(sd), cfg)
     torch.testing.assert_close(_forward(plain, x, ctx), ref, rtol=0, atol=0)
-    qwen_loader.add_fused_blocks(plain)
+    loader.add_fused_blocks(plain)
     assert _rel(_forward(plain, x, ctx), ref) < 1e-5
     mm.unload_all_models()
 
@@ -304,43 +304,41 @@ def test_loader_equals_stock_unetloader():
 def test_diffusers_folder_loads_the_same_weights(tmp_path, narrow_sd):
     folder = models.diffusers_folder(models.qwen_dit_narrow_file(), tmp_path, shards=3)
     assert len(list((folder / "transformer").glob("*.safetensors"))) == 3
-    sd, cfg = qwen_loader.read_checkpoint(folder)
-    assert cfg == qwen_dit.read_config(narrow_sd)
+    sd, cfg = files.read_checkpoint(folder)
+    assert cfg == config.read_config(narrow_sd)
     assert sd.keys() == narrow_sd.keys()
     assert all(torch.equal(sd[k], narrow_sd[k]) for k in sd)
     (folder / "transformer" / next(iter(sorted((folder / "transformer").glob("*-00002-*"))))
      .name).unlink()  # fmt: skip
     with pytest.raises(FileNotFoundError, match="listed in the index but missing"):
-        qwen_loader.read_checkpoint(folder)
+        files.read_checkpoint(folder)
     (index,) = (folder / "transformer").glob("*.index.json")
     index.write_text("{")  # a download cut short
-    with pytest.raises(
-        qwen_loader.Unreadable, match=r"cannot read .*index.json: Expecting.*Download"
-    ):
-        qwen_loader.read_checkpoint(folder)
+    with pytest.raises(files.Unreadable, match=r"cannot read .*index.json: Expecting.*Download"):
+        files.read_checkpoint(folder)
 
 
 def test_model_names_list_files_and_diffusers_folders(diffusion_models):
-    names = qwen_loader.model_names()
+    names = files.model_names()
     assert models.qwen_dit_narrow_file().name in names
     folder = models.qwen_dit_narrow_file().stem + "/"
     assert folder in names
-    assert qwen_loader.resolve(folder) == diffusion_models / folder.rstrip("/")
+    assert files.resolve(folder) == diffusion_models / folder.rstrip("/")
 
 
 def test_fp8_storage_is_scaled_and_close(narrow_sd):
-    cfg = qwen_dit.read_config(narrow_sd)
+    cfg = config.read_config(narrow_sd)
     x, ctx = _inputs(cfg)
-    ref = _forward(qwen_loader.build(dict(narrow_sd), cfg, "bf16"), x, ctx)
-    patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn")
+    ref = _forward(loader.build(dict(narrow_sd), cfg, "bf16"), x, ctx)
+    patcher = loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn")
     model = patcher.model.diffusion_model
-    w8, scale = qwen_loader.fp8_parts(model.transformer_blocks[0].attn.to_q)
+    w8, scale = fp8.fp8_parts(model.transformer_blocks[0].attn.to_q)
     assert w8.dtype == FP8
     w = narrow_sd["transformer_blocks.0.attn.to_q.weight"].float()
-    torch.testing.assert_close(scale.float(), w.abs().amax() * qwen_dit.HEADROOM / 448)
+    torch.testing.assert_close(scale.float(), w.abs().amax() * convert.HEADROOM / 448)
     for outside in ("img_in", "txt_in", "proj_out", "norm_out.linear"):  # kept unquantized
         layer = comfy.utils.get_attr(model, outside)
-        assert qwen_loader.fp8_parts(layer) is None or layer.scale_weight.item() == 1
+        assert fp8.fp8_parts(layer) is None or layer.scale_weight.item() == 1
         assert layer.weight.dtype != FP8
         torch.testing.assert_close(layer.weight.float(), narrow_sd[outside + ".weight"].float())
     # Biases and norm gains (v0.3 would build them in fp8) keep their bf16 values.
@@ -354,20 +352,20 @@ def test_fp8_storage_is_scaled_and_close(narrow_sd):
 
 
 def test_fp8_fast_without_fp8_gemms_falls_back_and_logs(narrow_sd, caplog):
-    cfg = qwen_dit.read_config(narrow_sd)
-    with caplog.at_level(logging.WARNING, logger=qwen_loader.log.name):
-        patcher = qwen_loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn_fast")
+    cfg = config.read_config(narrow_sd)
+    with caplog.at_level(logging.WARNING, logger=convert.log.name):
+        patcher = loader.build(dict(narrow_sd), cfg, "fp8_e4m3fn_fast")
     assert "fp8 GEMMs need a CUDA GPU, not cpu; using fp8 storage" in caplog.text
-    assert patcher.qwen_turbo_weights == "fp8_e4m3fn"
+    assert patcher.model.qwen_turbo.weights == "fp8_e4m3fn"
 
 
 def test_fp8_file_round_trips_through_bf16(narrow_sd):
     """A plain fp8 file (no scales, as Comfy-Org's): auto keeps fp8 storage; bf16 dequantizes."""
-    fp8_sd = {k: v.to(FP8) if qwen_dit.is_linear_weight(k, v) else v for k, v in narrow_sd.items()}
-    cfg = qwen_dit.read_config(fp8_sd)
-    auto = qwen_loader.build(dict(fp8_sd), cfg, "auto")
-    assert auto.qwen_turbo_weights == "fp8_e4m3fn"
-    bf16 = qwen_loader.build(dict(fp8_sd), cfg, "bf16")
+    fp8_sd = {k: v.to(FP8) if convert.is_linear_weight(k, v) else v for k, v in narrow_sd.items()}
+    cfg = config.read_config(fp8_sd)
+    auto = loader.build(dict(fp8_sd), cfg, "auto")
+    assert auto.model.qwen_turbo.weights == "fp8_e4m3fn"
+    bf16 = loader.build(dict(fp8_sd), cfg, "bf16")
     x, ctx = _inputs(cfg)
     torch.testing.assert_close(_forward(auto, x, ctx), _forward(bf16, x, ctx), rtol=2e-2, atol=2e-2)
     mm.unload_all_models()
@@ -383,19 +381,17 @@ def test_fp8mixed_checkpoint_loads_as_stock_reads_it(diffusion_models):
     path = models.qwen_dit_fp8mixed_file()
     (diffusion_models / path.name).unlink(missing_ok=True)
     (diffusion_models / path.name).symlink_to(path)
-    sd, cfg = qwen_loader.read_checkpoint(path)
+    sd, cfg = files.read_checkpoint(path)
     assert not [k for k in sd if k.endswith((".comfy_quant", ".weight_scale"))]
-    patcher = qwen_loader.load(path.name)
-    assert patcher.qwen_turbo_weights == "fp8_e4m3fn"
-    w8, scale = qwen_loader.fp8_parts(
-        patcher.model.diffusion_model.transformer_blocks[0].img_mod[1]
-    )
+    patcher = loader.load(path.name)
+    assert patcher.model.qwen_turbo.weights == "fp8_e4m3fn"
+    w8, scale = fp8.fp8_parts(patcher.model.diffusion_model.transformer_blocks[0].img_mod[1])
     mixed = load_file(str(path))
     assert torch.equal(w8, mixed["transformer_blocks.0.img_mod.1.weight"])
     assert torch.equal(scale, mixed["transformer_blocks.0.img_mod.1.weight_scale"])
     x, ctx = _inputs(cfg, h=8, w=6, tokens=5)
     ours = _forward(patcher, x, ctx)
-    bf16 = _forward(qwen_loader.build(qwen_dit.dequantize(sd, torch.bfloat16), cfg, "bf16"), x, ctx)
+    bf16 = _forward(loader.build(convert.dequantize(sd, torch.bfloat16), cfg, "bf16"), x, ctx)
     assert _rel(ours, bf16) < 1e-2
     if hasattr(comfy.ops, "mixed_precision_ops"):
         stock = comfy.sd.load_diffusion_model(str(path))
@@ -412,17 +408,17 @@ def test_fp8mixed_checkpoint_loads_as_stock_reads_it(diffusion_models):
 def test_other_quantization_formats_get_a_clear_error(narrow_sd):
     import json
 
-    sd = models.to_fp8mixed(qwen_dit.to_scaled_fp8(dict(narrow_sd)))
+    sd = models.to_fp8mixed(convert.to_scaled_fp8(dict(narrow_sd)))
     conf = json.dumps({"format": "nvfp4"}).encode()
     sd["transformer_blocks.0.attn.to_q.comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
-    with pytest.raises(qwen_dit.NotQwenImageDiT, match="to_q is quantized as 'nvfp4'.*UNETLoader"):
-        qwen_dit.from_mixed(sd)
+    with pytest.raises(config.NotQwenImageDiT, match="to_q is quantized as 'nvfp4'.*UNETLoader"):
+        convert.from_mixed(sd)
 
 
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8_e4m3fn"])
 def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
     """LoraLoaderModelOnly's path on our MODEL equals merging the LoRA into the weights."""
-    cfg = qwen_dit.read_config(narrow_sd)
+    cfg = config.read_config(narrow_sd)
     lora = load_file(str(models.narrow_lora_file()))
     merged = dict(narrow_sd)
     for key in lora:
@@ -431,11 +427,11 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
             down = lora[key.replace("lora_up", "lora_down")].float()
             merged[base] = (narrow_sd[base].float() + lora[key].float() @ down).to(torch.bfloat16)
     x, ctx = _inputs(cfg)
-    patcher = qwen_loader.build(dict(narrow_sd), cfg, weight_dtype)
-    qwen_loader.add_fused_blocks(patcher)
+    patcher = loader.build(dict(narrow_sd), cfg, weight_dtype)
+    loader.add_fused_blocks(patcher)
     with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
     out = _forward(with_lora, x, ctx)
-    want = _forward(qwen_loader.build(merged, cfg, weight_dtype), x, ctx)
+    want = _forward(loader.build(merged, cfg, weight_dtype), x, ctx)
     without = _forward(patcher, x, ctx)
     tol = 1e-2 if weight_dtype == "bf16" else 6e-2
     assert _rel(out, want) < tol < _rel(without, want)
@@ -445,9 +441,9 @@ def test_lora_applies_on_loaded_weights(narrow_sd, weight_dtype):
 def test_fp8_scale_copies_stay_out_of_the_state_dict(narrow_sd):
     """The scale copied per device is a cache, not a parameter: the state dict keeps its
     keys, and a second device replaces the first device's copy."""
-    model = qwen_loader.build(dict(narrow_sd), qwen_dit.read_config(narrow_sd), "fp8_e4m3fn")
+    model = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
     keys = set(model.model.state_dict())
-    layer = next(m for m in model.model.modules() if isinstance(m, qwen_loader.Fp8Linear))
+    layer = next(m for m in model.model.modules() if isinstance(m, fp8.Fp8Linear))
     for device in ("cpu", "meta", "cpu"):
         assert layer._scale(torch.device(device)).device.type == device
     assert set(model.model.state_dict()) == keys
@@ -456,7 +452,7 @@ def test_fp8_scale_copies_stay_out_of_the_state_dict(narrow_sd):
 def test_fp8_layers_keep_the_state_dicts_tensors():
     """No copy at load: with v0.33's dynamic VRAM these are views of comfy-aimdo's file
     mapping, copied only where ComfyUI pins them (below)."""
-    layer = qwen_loader.fp8_ops(fast=False).Linear(8, 4)
+    layer = fp8.fp8_ops(fast=False).Linear(8, 4)
     sd = {
         "weight": torch.randn(4, 8).to(FP8),
         "bias": torch.randn(4, dtype=torch.bfloat16),
@@ -479,7 +475,7 @@ def test_pinned_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, narrow_
     pinned = []
     monkeypatch.setattr(mm, "pin_memory", lambda t: pinned.append(t) or False)
     sd = dict(narrow_sd)
-    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), "fp8_e4m3fn")
+    patcher = loader.build(dict(sd), config.read_config(sd), "fp8_e4m3fn")
     key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
     other = "diffusion_model.transformer_blocks.1.img_mlp.net.0.proj.weight"
     view = comfy.utils.get_attr(patcher.model, key)
@@ -490,7 +486,7 @@ def test_pinned_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, narrow_
     assert [t.data_ptr() for t in pinned] == [kept.data_ptr()] * 2  # copied once
     assert (kept.data_ptr() != view.data_ptr()) is dynamic_vram
     assert torch.equal(kept.float(), view.float())
-    mapped = getattr(patcher.model, "qwen_turbo_mapped", set())
+    mapped = patcher.model.qwen_turbo.mapped
     assert (comfy.utils.get_attr(patcher.model, other).data_ptr() in mapped) is dynamic_vram
 
 
@@ -499,10 +495,10 @@ def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left
     on the host) applies the LoRA as the loaded model does, without its requantization: its
     result is as close to the loaded one as fp8 rounding allows, far closer than without."""
-    cfg = qwen_dit.read_config(narrow_sd)
+    cfg = config.read_config(narrow_sd)
     lora = load_file(str(models.narrow_lora_file()))
     x, ctx = _inputs(cfg)
-    patcher = qwen_loader.build(dict(narrow_sd), cfg, weight_dtype)
+    patcher = loader.build(dict(narrow_sd), cfg, weight_dtype)
     with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
     loaded = _forward(with_lora, x, ctx)
     without = _forward(patcher, x, ctx)
@@ -510,7 +506,7 @@ def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     with torch.inference_mode():
         with_lora.load(with_lora.load_device, lowvram_model_memory=1)
         lowvram = [m for m in with_lora.model.modules() if getattr(m, "weight_function", None)]
-        assert any(isinstance(m, qwen_loader.Fp8Linear) for m in lowvram)
+        assert any(isinstance(m, fp8.Fp8Linear) for m in lowvram)
         opts = dict(with_lora.model_options.get("transformer_options", {}))
         out = with_lora.model.apply_model(
             x, torch.tensor([0.6]), c_crossattn=ctx, transformer_options=opts
@@ -523,12 +519,12 @@ def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
 # fp8_cudnn: SDPA on CPU float32
 @pytest.mark.parametrize("attention", ["sdpa", "flash", "fp8_cudnn"])
 def test_attention_choice_keeps_the_result(narrow_sd, attention):
-    cfg = qwen_dit.read_config(narrow_sd)
+    cfg = config.read_config(narrow_sd)
     x, ctx = _inputs(cfg)
-    patcher = qwen_loader.build(dict(narrow_sd), cfg)
+    patcher = loader.build(dict(narrow_sd), cfg)
     ref = _forward(patcher, x, ctx)
     chosen = patcher.clone()
-    qwen_loader.set_attention(chosen, attention)
+    loader.set_attention(chosen, attention)
     assert "optimized_attention_override" in chosen.model_options["transformer_options"]
     assert "optimized_attention_override" not in patcher.model_options["transformer_options"]
     torch.testing.assert_close(_forward(chosen, x, ctx), ref, rtol=1e-5, atol=1e-5)
@@ -543,8 +539,8 @@ def test_regional_compile_wraps_each_block(narrow_sd, monkeypatch):
     wrap = helpers.set_torch_compile_wrapper
     spy = lambda *a, **k: keys.extend(k["keys"]) or wrap(*a, **k)  # noqa: E731
     monkeypatch.setattr(helpers, "set_torch_compile_wrapper", spy)
-    patcher = qwen_loader.build(dict(narrow_sd), qwen_dit.read_config(narrow_sd))
-    qwen_loader.compile_blocks(patcher)
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd))
+    loader.compile_blocks(patcher)
     n = len(patcher.model.diffusion_model.transformer_blocks)
     assert n > 1 and keys == [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
     assert patcher.model_options["torch_compile_kwargs"]["backend"] == "inductor"
@@ -563,7 +559,7 @@ def test_fused_block_full_width_on_gpu(attention):
     from comfy.ldm.flux.layers import EmbedND
     from comfy.ldm.qwen_image.model import QwenImageTransformerBlock
 
-    from qwen_turbo.runtime.attention import QUANTIZED, comfy_signature, quantized
+    from qwen_turbo.runtime.dit.attention import QUANTIZED, comfy_signature, quantized
 
     def block(dtype):
         b = QwenImageTransformerBlock(3072, 24, 128, operations=comfy.ops.disable_weight_init)
@@ -584,7 +580,7 @@ def test_fused_block_full_width_on_gpu(attention):
     if attention != "auto":
         attend = comfy_signature(quantized(QUANTIZED[attention]))
     with torch.inference_mode():
-        fused = qwen_dit.fused_block_forward(ours, attend)
+        fused = blocks.fused_block_forward(ours, attend)
         out = fused(args16[0], args16[1], None, args16[2], args16[3])
         eager = ours(args16[0], args16[1], None, args16[2], args16[3])
         exact = stock(args32[0], args32[1], None, args32[2], args32[3])
@@ -610,11 +606,11 @@ def test_fp8_fast_linear_on_gpu():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3072, 3072, generator=g) / 3072**0.5
     bias = torch.randn(3072, generator=g) * 0.05
-    sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16(), "l.bias": bias.bfloat16()},
+    sd = convert.to_scaled_fp8({"l.weight": w.bfloat16(), "l.bias": bias.bfloat16()},
                                     quantize=lambda k: True)  # fmt: skip
-    linear = qwen_loader.fp8_ops(fast=True).Linear(3072, 3072, device="cuda")
+    linear = fp8.fp8_ops(fast=True).Linear(3072, 3072, device="cuda")
     linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()})
-    w8, scale = qwen_loader.fp8_parts(linear)
+    w8, scale = fp8.fp8_parts(linear)
     assert w8.dtype == FP8
     row = scale.float().reshape(1, 1).expand(1, 3072).contiguous()
     for rows in (257, 1):
@@ -624,7 +620,7 @@ def test_fp8_fast_linear_on_gpu():
             want = F.linear(x.float(), w.cuda(), bias.cuda())
             gemv = fp8_gemv(x, w8, row, linear.bias.to(x.dtype))
         assert out.isfinite().all() and _rel(out, want) < 5e-2
-        assert (rows < qwen_loader.GEMV_ROWS) == torch.equal(out, gemv)
+        assert (rows < fp8.GEMV_ROWS) == torch.equal(out, gemv)
 
 
 @pytest.mark.gpu
@@ -633,17 +629,17 @@ def test_fp8_fast_linears_of_one_input_on_gpu():
     """q, k and v of one stream quantize their input once: the same bits as three calls. A
     GEMV-sized input, or a linear kept in bf16 among them, takes the plain calls."""
     g = torch.Generator().manual_seed(1)
-    ops = qwen_loader.fp8_ops(fast=True)
+    ops = fp8.fp8_ops(fast=True)
     linears = []
     for i, n in enumerate((3072, 3072, 1024)):
         w = torch.randn(n, 3072, generator=g) / 3072**0.5
-        sd = qwen_dit.to_scaled_fp8({"l.weight": w.bfloat16()}, quantize=lambda k, i=i: i < 2)
+        sd = convert.to_scaled_fp8({"l.weight": w.bfloat16()}, quantize=lambda k, i=i: i < 2)
         linear = ops.Linear(3072, n, bias=False, device="cuda")
         linear.load_state_dict({k[2:]: v.cuda() for k, v in sd.items()}, strict=False)
-        if qwen_loader.fp8_parts(linear) is None:
+        if fp8.fp8_parts(linear) is None:
             linear.weight.data = linear.weight.data.to(torch.bfloat16)
         linears.append(linear)
-    assert [qwen_loader.fp8_parts(lin) is not None for lin in linears] == [True, True, False]
+    assert [fp8.fp8_parts(lin) is not None for lin in linears] == [True, True, False]
     for rows, chosen in ((257, linears[:2]), (1, linears[:2]), (257, linears)):
         x = torch.randn(1, rows, 3072, generator=g).to("cuda", torch.bfloat16)
         with torch.inference_mode():
@@ -682,12 +678,12 @@ def test_sampling_asks_comfyui_for_the_measured_activations(
     cond = [[torch.randn(1, 7, 3584, generator=torch.Generator().manual_seed(3)), {}]]
     latent = {"samples": torch.zeros(1, 16, 1, 12, 10)}
     stock = comfy.sd.load_diffusion_model(str(path))
-    pack = qwen_loader.load(path.name, dtype, attention, fused)
+    pack = loader.load(path.name, dtype, attention, fused)
     for model in (stock, pack):
         nodes.common_ksampler(model, 1, 1, 1.0, "euler", "simple", cond, cond, latent)
-    with qwen_loader.host_estimate(pack):
+    with loader.host_estimate(pack):
         nodes.common_ksampler(pack, 1, 1, 1.0, "euler", "simple", cond, cond, latent)
-    scale = qwen_loader.ACTIVATIONS_FACTOR / stock.model.memory_usage_factor if measured else 1
+    scale = loader.ACTIVATIONS_FACTOR / stock.model.memory_usage_factor if measured else 1
     assert asked[1] == pytest.approx(asked[0] * scale, rel=1e-6)
     assert asked[1] < asked[0] if measured else asked[1] == asked[0]
     assert asked[2] == asked[0]

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from qwen_turbo import runtime
 from qwen_turbo.kernels.fp8_linear import FP8
-from qwen_turbo.runtime import qwen_dit, qwen_loader, weight_streaming
+from qwen_turbo.runtime.dit import config, loader, streaming
+from qwen_turbo.runtime.dit.patcher import HostCopies, LoaderState
 from tests.harness import models
 
 
@@ -28,14 +29,14 @@ def narrow_sd():
 def _model(sd, weight_dtype, lora=None, device=None):
     """(patcher with fused blocks and `lora`, the same with streaming, its streamer), loading
     onto `device` where given (ComfyUI runs on the CPU in tests)."""
-    patcher = qwen_loader.build(dict(sd), qwen_dit.read_config(sd), weight_dtype)
-    qwen_loader.add_fused_blocks(patcher)
+    patcher = loader.build(dict(sd), config.read_config(sd), weight_dtype)
+    loader.add_fused_blocks(patcher)
     if device is not None:
         patcher.load_device = device
     if lora is not None:
         patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
-    streaming = patcher.clone()
-    return patcher, streaming, qwen_loader.stream_offloaded_weights(streaming)
+    streamed = patcher.clone()
+    return patcher, streamed, loader.stream_offloaded_weights(streamed)
 
 
 def _sync(x):
@@ -47,7 +48,7 @@ def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1, resident
     """(output, seconds of the last of `repeats` forwards) with every layer left on the host
     (ComfyUI's lowvram marks; with `resident`, none), as a sampler runs it under
     inference_mode."""
-    cfg = qwen_dit.read_config(patcher.model.diffusion_model.state_dict())
+    cfg = config.read_config(patcher.model.diffusion_model.state_dict())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, cfg.out_channels, 1, *size, generator=g)
     ctx = torch.randn(1, tokens, cfg.joint_attention_dim, generator=g)
@@ -57,7 +58,7 @@ def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1, resident
         patcher.patch_model(patcher.load_device, lowvram_model_memory=0 if resident else 1)
         try:
             layers = [m for m in patcher.model.modules() if hasattr(m, "staged")]
-            assert layers and all(weight_streaming.offloaded(m) != resident for m in layers)
+            assert layers and all(streaming.offloaded(m) != resident for m in layers)
             for _ in range(repeats):
                 _sync(x)
                 start = time.perf_counter()
@@ -74,9 +75,9 @@ def _partly_loaded_forward(patcher, size=(12, 10), tokens=7, repeats=1, resident
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_streamed_weights_give_comfyui_copies_result(narrow_sd, weight_dtype, lora):
     lora = load_file(str(models.narrow_lora_file())) if lora else None
-    plain, streaming, streamer = _model(narrow_sd, weight_dtype, lora)
+    plain, streamed, streamer = _model(narrow_sd, weight_dtype, lora)
     want = _partly_loaded_forward(plain)[0]
-    got = _partly_loaded_forward(streaming)[0]
+    got = _partly_loaded_forward(streamed)[0]
     assert torch.equal(got, want)
     assert streamer.copies == len(streamer.layers)  # every block took its staged copies
     assert not streamer.ahead
@@ -90,24 +91,24 @@ def _out_of_memory(*args):
 def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch, short):
     """Where a block's copies do not fit, counted before or found when allocating, ComfyUI
     copies those layers itself: the same result."""
-    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
+    plain, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
     if short == "room counted":
-        monkeypatch.setattr(weight_streaming, "room", lambda device: 0)
+        monkeypatch.setattr(streaming, "room", lambda device: 0)
     else:
-        monkeypatch.setattr(weight_streaming, "room", lambda device: 2**40)
-        monkeypatch.setattr(weight_streaming, "to_device", _out_of_memory)
-    assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
+        monkeypatch.setattr(streaming, "room", lambda device: 2**40)
+        monkeypatch.setattr(streaming, "to_device", _out_of_memory)
+    assert torch.equal(_partly_loaded_forward(streamed)[0], _partly_loaded_forward(plain)[0])
     assert streamer.copies == 0 and streamer.no_room == len(streamer.layers)
 
 
 def test_host_memory_that_cannot_be_pinned_is_copied_as_it_is(narrow_sd, caplog, monkeypatch):
     """CPU-only torch cannot pin memory: streaming logs it once and copies from pageable
     memory."""
-    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
+    plain, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
     if torch.cuda.is_available():
         pytest.skip("pinning works here")
     monkeypatch.setattr(runtime, "_logged", set())  # log_once may have said it already
-    assert torch.equal(_partly_loaded_forward(streaming)[0], _partly_loaded_forward(plain)[0])
+    assert torch.equal(_partly_loaded_forward(streamed)[0], _partly_loaded_forward(plain)[0])
     assert not streamer.page_lock and streamer.copies == len(streamer.layers)
     assert "host memory not pinned" in caplog.text
 
@@ -123,9 +124,9 @@ def test_pageable_sources_are_pinned_once(narrow_sd, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     lora = load_file(str(models.narrow_lora_file()))
-    plain, streaming, streamer = _model(narrow_sd, "fp8_e4m3fn_fast", lora)
+    plain, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast", lora)
     want = _partly_loaded_forward(plain)[0]
-    got = _partly_loaded_forward(streaming, repeats=2)[0]
+    got = _partly_loaded_forward(streamed, repeats=2)[0]
     assert torch.equal(got, want)
     layers = [m for b in streamer.layers for m in b]
     lora_factors = sum(len(m._pinned) - 1 - (m.bias is not None) for m in layers)
@@ -179,17 +180,17 @@ def test_streaming_full_width_on_gpu(lora):
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
     cuda = torch.device("cuda")
-    plain, streaming, streamer = _model(
+    plain, streamed, streamer = _model(
         sd, "fp8_e4m3fn_fast", bench.random_lora(sd) if lora else None, cuda
     )
     want, slow = _partly_loaded_forward(plain, (166, 166), 256, repeats=2)
-    got, fast = _partly_loaded_forward(streaming, (166, 166), 256, repeats=2)
+    got, fast = _partly_loaded_forward(streamed, (166, 166), 256, repeats=2)
     assert torch.equal(got, want)
     assert streamer.copies == 2 * len(streamer.layers)
     large = [hit for block in streamer.layers for m in block
              for hit in getattr(m, "_pinned", {}).values()
-             if hit[0].nbytes >= weight_streaming.REGISTER_MIN]  # fmt: skip
-    assert all(isinstance(h[1], weight_streaming.Registered) for h in large)  # none copied
+             if hit[0].nbytes >= streaming.REGISTER_MIN]  # fmt: skip
+    assert all(isinstance(h[1], streaming.Registered) for h in large)  # none copied
     print(f"{len(large)} tensors page-locked in place")
     print(f"LoRA {lora}: ComfyUI's copies {slow * 1e3:.1f} ms, streamed {fast * 1e3:.1f} ms")
     assert fast < slow
@@ -206,25 +207,25 @@ def test_host_copies_are_not_deep_copied():
     """A deep copy of the model (ComfyUI's multi-GPU clones) holds no host tensors of the
     original's: keeping them would copy the file's pages into memory."""
     model = torch.nn.Linear(2, 2)
-    model.qwen_turbo_hosts = qwen_loader.HostCopies(w=(torch.zeros(4), 1234))
-    assert copy.deepcopy(model).qwen_turbo_hosts == {}
-    assert model.qwen_turbo_hosts["w"][1] == 1234
+    model.qwen_turbo = LoaderState("bf16", hosts=HostCopies(w=(torch.zeros(4), 1234)))
+    assert copy.deepcopy(model).qwen_turbo.hosts == {}
+    assert model.qwen_turbo.hosts["w"][1] == 1234
 
 
 def test_uploader_stages_large_plain_host_tensors():
     """Through the buffer: contiguous host tensors of 1 MiB and more. Smaller ones, strided
     views and tensor subclasses (quantized layouts) take ComfyUI's `.to()`."""
-    big = torch.zeros(weight_streaming.STAGE_MIN, dtype=torch.uint8).view(FP8)
+    big = torch.zeros(streaming.STAGE_MIN, dtype=torch.uint8).view(FP8)
 
     class Subclass(torch.Tensor):
         pass
 
-    assert weight_streaming.Uploader.stages(big)
-    assert weight_streaming.Uploader.stages(torch.nn.Parameter(big, requires_grad=False))
-    assert not weight_streaming.Uploader.stages(big[:-1])
-    assert not weight_streaming.Uploader.stages(big.view(1024, 1024).t())
-    assert not weight_streaming.Uploader.stages(big.as_subclass(Subclass))
-    assert not weight_streaming.Uploader.stages(big.to("meta"))
+    assert streaming.Uploader.stages(big)
+    assert streaming.Uploader.stages(torch.nn.Parameter(big, requires_grad=False))
+    assert not streaming.Uploader.stages(big[:-1])
+    assert not streaming.Uploader.stages(big.view(1024, 1024).t())
+    assert not streaming.Uploader.stages(big.as_subclass(Subclass))
+    assert not streaming.Uploader.stages(big.to("meta"))
 
 
 def test_file_backed_tells_file_mappings_from_memory(tmp_path):
@@ -234,7 +235,7 @@ def test_file_backed_tells_file_mappings_from_memory(tmp_path):
     path.write_bytes(bytes(range(256)) * 4096)
     mapped = torch.from_file(str(path), shared=False, size=1 << 20, dtype=torch.uint8)
     own = torch.zeros(1 << 20, dtype=torch.uint8)
-    backed = weight_streaming.file_backed([mapped, mapped[4096:], own])
+    backed = streaming.file_backed([mapped, mapped[4096:], own])
     assert backed == {mapped.data_ptr(), mapped[4096:].data_ptr()}
 
 
@@ -244,9 +245,9 @@ def test_uploader_fill_copies_every_byte(nbytes):
     (a host buffer here: page-locked memory needs a GPU)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    uploader = weight_streaming.Uploader.__new__(weight_streaming.Uploader)
+    uploader = streaming.Uploader.__new__(streaming.Uploader)
     uploader.buffer = torch.full((nbytes + 8192,), 7, dtype=torch.uint8)
-    uploader.pool = ThreadPoolExecutor(weight_streaming.FILL_THREADS)
+    uploader.pool = ThreadPoolExecutor(streaming.FILL_THREADS)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator())
     with uploader:
         uploader._fill(src[1:])  # an offset into its storage
@@ -273,20 +274,20 @@ def test_load_to_gpu_through_the_buffer_gives_comfyui_load(tmp_path, monkeypatch
     sd = {k: v.to(FP8) if v.ndim == 2 and min(v.shape) >= 1024 else v for k, v in sd.items()}
     save_file(sd, str(tmp_path / "fp8.safetensors"))
     lora = load_file(str(models.full_lora_file()))
-    staged, upload = [], weight_streaming.Uploader.to
+    staged, upload = [], streaming.Uploader.to
     monkeypatch.setattr(
-        weight_streaming.Uploader, "to", lambda s, t, d: staged.append(t.nbytes) or upload(s, t, d)
+        streaming.Uploader, "to", lambda s, t, d: staged.append(t.nbytes) or upload(s, t, d)
     )
 
     def load(pinned: bool):
         monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", not pinned, raising=False)
         sd = comfy.utils.load_torch_file(str(tmp_path / "fp8.safetensors"))
         with torch.inference_mode():  # as the executor runs the loaders: inference tensors
-            patcher = qwen_loader.build(sd, qwen_dit.read_config(sd), weight_dtype)
+            patcher = loader.build(sd, config.read_config(sd), weight_dtype)
             patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
         host = patcher.model.state_dict()
-        large = [k for k, t in host.items() if t.nbytes >= weight_streaming.STAGE_MIN]
-        backed = weight_streaming.file_backed(host[k] for k in large if k not in patcher.patches)
+        large = [k for k, t in host.items() if t.nbytes >= streaming.STAGE_MIN]
+        backed = streaming.file_backed(host[k] for k in large if k not in patcher.patches)
         staged.clear()
         with torch.inference_mode():
             patcher.load(torch.device("cuda"), full_load=True)

@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from .. import qwen_dit
 from ..cuda_graphs import own
+from ..dit.blocks import fused_block_forward, is_fused_forward
 from . import wire
 
 
@@ -67,7 +67,7 @@ def fused_blocks(patcher, dm) -> bool:
             continue
         block = re.fullmatch(r"diffusion_model\.transformer_blocks\.\d+\.forward", key)
         obj = inspect.unwrap(obj)  # the weight streamer's wrapper (workers load every weight)
-        if block and qwen_dit.is_fused_forward(obj):
+        if block and is_fused_forward(obj):
             fused += 1
         elif not (block and inspect.ismethod(obj) and type(obj.__self__).forward is obj.__func__):
             raise NotReplicable(f"object patch on {key!r}")
@@ -81,7 +81,7 @@ def set_fused(dm, on: bool) -> None:
 
     for block in dm.transformer_blocks:
         if on:
-            block.forward = qwen_dit.fused_block_forward(block, optimized_attention_masked)
+            block.forward = fused_block_forward(block, optimized_attention_masked)
         else:
             block.__dict__.pop("forward", None)
 

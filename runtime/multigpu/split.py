@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..attention import QUANTIZED, attention_override
+from ..dit.attention import QUANTIZED, attention_override
 from .wire import Slot
 
 

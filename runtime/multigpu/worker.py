@@ -10,7 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..attention import attention_override
+from ..dit.attention import attention_override
 from . import wire
 from .pool import TIMEOUT
 from .recipe import build, set_fused

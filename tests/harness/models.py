@@ -168,7 +168,7 @@ def _lora_file(name: str, module, seed: int, rank: int = 4) -> Path:
 
 
 def to_fp8mixed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A scaled-fp8 state dict (`qwen_dit.to_scaled_fp8`) as newer ComfyUI's `fp8mixed`
+    """A scaled-fp8 state dict (`convert.to_scaled_fp8`) as newer ComfyUI's `fp8mixed`
     checkpoints store it: fp8 weights with `weight_scale` and a `comfy_quant` JSON entry."""
     conf = list(json.dumps({"format": "float8_e4m3fn"}).encode())
     out = {}
@@ -184,11 +184,11 @@ def to_fp8mixed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def qwen_dit_fp8mixed_file(seed: int = 0) -> Path:
     """The full-width one-layer DiT as an `fp8mixed` checkpoint (fp8 weights in the blocks)."""
-    from qwen_turbo.runtime import qwen_dit
+    from qwen_turbo.runtime.dit import convert
 
     path = cache_dir() / f"qwen_image_dit_1layer_fp8mixed-v{VERSION}-s{seed}.safetensors"
     if not path.exists():
-        sd = to_fp8mixed(qwen_dit.to_scaled_fp8(load_file(str(qwen_dit_file(seed)))))
+        sd = to_fp8mixed(convert.to_scaled_fp8(load_file(str(qwen_dit_file(seed)))))
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(sd, str(tmp))
         tmp.replace(path)
@@ -200,22 +200,22 @@ def qwen_dit_variant_file(variant: str, seed: int = 0, fp8mixed: bool = False) -
     reads them: "edit_2511" (`__index_timestep_zero__`: reference tokens modulated at
     timestep 0) or "layered" (a random second timestep embedding). `fp8mixed`: stored as
     Comfy-Org ships Edit-2511 (`qwen_image_edit_2511_fp8mixed.safetensors`)."""
-    from qwen_turbo.runtime import qwen_dit
+    from qwen_turbo.runtime.dit import config, convert
 
     kind = "_fp8mixed" if fp8mixed else ""
     path = cache_dir() / f"qwen_image_dit_1layer_{variant}{kind}-v{VERSION}-s{seed}.safetensors"
     if not path.exists():
         sd = load_file(str(qwen_dit_file(seed)))
         if variant == "edit_2511":
-            sd[qwen_dit.TIMESTEP_ZERO] = torch.tensor([])
+            sd[config.TIMESTEP_ZERO] = torch.tensor([])
         elif variant == "layered":
             width = sd["img_in.weight"].shape[0]
             g = torch.Generator().manual_seed(seed + 1)
-            sd[qwen_dit.LAYERED] = (torch.randn(2, width, generator=g) * 0.5).to(torch.bfloat16)
+            sd[config.LAYERED] = (torch.randn(2, width, generator=g) * 0.5).to(torch.bfloat16)
         else:
             raise ValueError(f"unknown variant {variant!r}")
         if fp8mixed:
-            sd = to_fp8mixed(qwen_dit.to_scaled_fp8(sd))
+            sd = to_fp8mixed(convert.to_scaled_fp8(sd))
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(sd, str(tmp))
         tmp.replace(path)

@@ -338,7 +338,7 @@ def _scaled_fp8_linears():
     and ComfyUI v0.3's own (comfy.ops.scaled_fp8_ops, gone from newer hosts)."""
     import comfy.ops
 
-    from qwen_turbo.runtime.qwen_loader import Fp8Linear
+    from qwen_turbo.runtime.dit.fp8 import Fp8Linear
 
     out = [Fp8Linear]
     if hasattr(comfy.ops, "scaled_fp8_ops"):

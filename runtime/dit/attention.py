@@ -11,7 +11,7 @@ import functools
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels.attention_fp8 import attention_fp8, register_amax_group
+from ...kernels.attention_fp8 import attention_fp8, register_amax_group
 
 BACKENDS = {
     # cuDNN first: 571 TFLOP/s at L = 24,905 on an H200, against 360 for flash.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import log_once
+from .. import log_once
 
 log = logging.getLogger(__name__)
 

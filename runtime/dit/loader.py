@@ -1,0 +1,210 @@
+"""Building the Qwen-Image DiT as a plain MODEL (ModelPatcher): ComfyUI's QwenImage model of the
+config read off the weights, with fp8 ops, the fused blocks, weight streaming, an attention
+backend and regional compile attached as object patches and model options. `load` is what
+the Optimized Loader node calls."""
+
+import contextlib
+import inspect
+import logging
+
+import comfy.ldm.qwen_image.model as qwen_model
+import comfy.model_management as mm
+import comfy.supported_models
+import comfy.utils
+import torch
+
+from ...kernels import warmup
+from .. import host, log_once
+from . import blocks, convert, files, streaming
+from .attention import attention_override
+from .config import DiTConfig, NotQwenImageDiT
+from .fp8 import fp8_ops
+from .patcher import LoaderState, Patcher
+
+log = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
+ATTENTION = ["auto", "sdpa", "flash", "fp8_cudnn"]
+COMPILE = ["off", "regional"]
+SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
+FUSED_KEY = "forward"  # object patch on each block's `forward`
+# ComfyUI's estimate of what a Qwen-Image call needs beside the weights (BaseModel.
+# memory_required, memory_usage_factor 1.8) is about twice what the bundled workflows' settings
+# take (fp8_e4m3fn_fast, fused blocks, fp8_cudnn): per 2512² picture 1.65 GiB resident and
+# 1.8-2.1 GiB with the DiT streamed on a 12 GiB card, batches 1-4 (benchmarks/RESULTS.md,
+# "Batches"), against its 3.46 (2.50 printed with 1.3, scaled to 1.8). ComfyUI keeps that much
+# free and offloads weights for it;
+# 1.3 (2.5 GiB) keeps more of the DiT on the GPU on small cards. fp8 storage with bf16 GEMMs and
+# fp8_cudnn's sdpa fallback (GPUs before Hopper) hold the same token-sized tensors, plus one
+# layer's weight in bf16 at a time. Other settings keep ComfyUI's estimate.
+ACTIVATIONS_FACTOR = 1.3
+
+
+@contextlib.contextmanager
+def host_estimate(model):
+    """ComfyUI's own activation estimate for `model` (a ModelPatcher) inside: for a run again
+    after running out of memory with the measured one."""
+    base = model.model
+    measured = base.memory_usage_factor
+    base.memory_usage_factor = base.model_config.memory_usage_factor
+    try:
+        yield
+    finally:
+        base.memory_usage_factor = measured
+
+
+# The variants by their reference method (config.read_config), for messages.
+VARIANTS = {"index_timestep_zero": "Qwen-Image-Edit-2511", "negative_index": "Qwen-Image-Layered"}
+
+
+class HostLacks(ValueError):
+    """The weights need a model setting this ComfyUI's Qwen-Image model does not take."""
+
+
+# what a user can meet loading a checkpoint: each message names the fix
+USER_ERRORS = (NotQwenImageDiT, HostLacks, files.Unreadable)
+
+
+def check_host(config: DiTConfig) -> None:
+    """Raise HostLacks where this host's model cannot take the variant's settings: an older
+    ComfyUI runs Edit-2511's weights with Edit-2509's reference method, silently wrong."""
+    takes = inspect.signature(qwen_model.QwenImageTransformer2DModel.__init__).parameters
+    for key, value in config.variant().items():
+        if key not in takes:
+            what = VARIANTS.get(config.default_ref_method, "this checkpoint")
+            raise HostLacks(
+                f"{what} needs {key}={value!r}, which this ComfyUI's Qwen-Image model does not "
+                "take (its reference images would get the wrong positions or modulation); "
+                "update ComfyUI"
+            )
+
+
+def _progress(n: int):
+    """A step callback for the loader's pass over n tensors on the CPU (a 38 GiB bf16 file to
+    fp8 takes a while): ComfyUI's progress bar, updated each percent, and its interrupt."""
+    bar, done, every = comfy.utils.ProgressBar(n), 0, max(1, -(-n // 100))  # ceil(n / 100)
+
+    def step():
+        nonlocal done
+        done += 1
+        if done % every == 0 or done == n:
+            mm.throw_exception_if_processing_interrupted()
+            bar.update_absolute(done, n)
+
+    return step
+
+
+def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
+    """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`.
+    Raises HostLacks where this host cannot run the variant."""
+    check_host(config)
+    load_device = mm.get_torch_device()
+    offload_device = mm.unet_offload_device()
+    model_config = comfy.supported_models.QwenImage(config.unet_config())
+    mode = convert.weight_mode(weight_dtype, sd, load_device)
+    sd = convert.to_mode(sd, mode, _progress)
+    unet_dtype = torch.bfloat16
+    if mode.startswith("fp8"):
+        # fp8 Linear weights with scales; the rest (biases, norm gains, the layers outside
+        # the blocks) in bf16.
+        model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
+    elif mode == "auto":  # ComfyUI's own choice for the device (float32 on CPU)
+        params = convert.count_params(sd)
+        unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)
+    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
+    model_config.set_inference_dtype(unet_dtype, manual_cast)
+    model = model_config.get_model(sd, "")
+    model = model.to(offload_device)
+    # with dynamic VRAM the state dict's tensors are views of comfy-aimdo's file mapping
+    aimdo = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
+    views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0} if aimdo else set()
+    model.load_model_weights(sd, "")
+    mapped = {p.data_ptr() for p in model.parameters()} & views
+    if aimdo:
+        log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
+                 "model loads through ComfyUI's standard partial loading, whose offloaded "
+                 "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
+    model.qwen_turbo = LoaderState(weights=mode, mapped=mapped)
+    return Patcher(model, load_device, offload_device)
+
+
+def _host_block(reason: str) -> None:
+    log_once(log, logging.INFO, f"Optimized Loader: fused block not used for {reason}")
+
+
+def add_fused_blocks(patcher) -> None:
+    """Object patches: each transformer block's forward runs the fused kernels."""
+    for i, block in enumerate(patcher.model.diffusion_model.transformer_blocks):
+        forward = blocks.fused_block_forward(
+            block, qwen_model.optimized_attention_masked, _host_block
+        )
+        patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
+
+
+def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
+    """Object patches: each block's forward (fused or not) copies the next block's offloaded
+    fp8 weights ahead (`streaming`), where ComfyUI's partial load leaves some on the
+    host."""
+    layers = patcher.model.diffusion_model.transformer_blocks
+    streamer = streaming.BlockStreamer(layers)
+    for i, block in enumerate(layers):
+        key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
+        inner = patcher.object_patches.get(key, block.forward)
+        patcher.add_object_patch(key, streamer.forward(i, inner))
+    return streamer
+
+
+def set_attention(patcher, attention: str) -> None:
+    if attention != "auto":
+        options = patcher.model_options.setdefault("transformer_options", {})
+        options["optimized_attention_override"] = attention_override(attention)
+
+
+def compile_blocks(patcher) -> None:
+    """Regional torch.compile: each block compiled on its own (one graph, reused by all)."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    n = len(patcher.model.diffusion_model.transformer_blocks)
+    keys = [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
+    set_torch_compile_wrapper(patcher, backend="inductor", keys=keys)
+
+
+def _host_allows(feature: str, setting: str, notes: list[str]) -> bool:
+    """Whether this host has what `feature` needs; else a logged note that `setting` is off."""
+    why = host.missing(feature)
+    if why is not None:
+        notes.append(f"{setting} off: {why}")
+        log_once(log, logging.WARNING, f"Optimized Loader: {notes[-1]}")
+    return why is None
+
+
+def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off"):
+    """The Optimized Loader: a MODEL that every stock node accepts. Settings this host cannot
+    run are turned off; `patcher.model.qwen_turbo.notes` says which and why."""
+    warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
+    path = files.resolve(name)
+    sd, config = files.read_checkpoint(path)
+    notes: list[str] = []
+    if weight_dtype.startswith("fp8") and not _host_allows("fp8_weights", weight_dtype, notes):
+        weight_dtype = "bf16"
+    patcher = build(sd, config, weight_dtype)
+    state = patcher.model.qwen_turbo
+    log.info(
+        "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s%s",
+        name, config.num_layers, config.width, config.num_attention_heads,
+        config.attention_head_dim, config.joint_attention_dim, state.weights,
+        f", {VARIANTS[config.default_ref_method]}" if config.variant() else "",
+    )  # fmt: skip
+    fused = fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes)
+    if fused:
+        add_fused_blocks(patcher)
+    if state.weights.startswith("fp8"):
+        stream_offloaded_weights(patcher)
+    if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
+        set_attention(patcher, attention)
+        if fused and attention == "fp8_cudnn" and state.weights.startswith("fp8"):
+            patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured
+    if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
+        compile_blocks(patcher)
+    state.notes = notes
+    return patcher

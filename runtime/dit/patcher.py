@@ -1,0 +1,145 @@
+"""The Optimized Loader's ModelPatcher: weights uploaded through page-locked buffers, weights
+from a file mapping put back there on unload, cached CUDA graphs dropped first when ComfyUI
+asks for room; and the loader's record on the model (`LoaderState`)."""
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import comfy.cli_args
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.utils
+import torch
+
+from .. import log_once, memory
+from . import streaming
+
+log = logging.getLogger(__name__)
+
+
+# what ComfyUI's ModelPatcher keeps to restore a patched weight (its `backup` entries)
+Backup = collections.namedtuple("Backup", ["weight", "inplace_update"])
+
+
+class HostCopies(dict):
+    """Key: (a weight's host tensor in a file mapping, the data pointer of its GPU copy), for
+    the weights on the GPU that have one. A deep copy of the model (ComfyUI's multi-GPU
+    clones) starts with none: its weights are its own."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+
+@dataclass
+class LoaderState:
+    """What the Optimized Loader records on the model it builds (`model.qwen_turbo`), shared
+    by every clone of its ModelPatcher."""
+
+    weights: str  # the weight mode that runs: bf16, fp8_e4m3fn, fp8_e4m3fn_fast, auto
+    notes: list[str] = field(default_factory=list)  # settings this host turned off, and why
+    hosts: HostCopies = field(default_factory=HostCopies)
+    # data pointers of the weights that are views of comfy-aimdo's file mapping (v0.33's
+    # dynamic VRAM); empty otherwise
+    mapped: set[int] = field(default_factory=set)
+
+
+class Patcher(comfy.model_patcher.ModelPatcher):
+    """ComfyUI's ModelPatcher for the Optimized Loader's model.
+
+    A load to the GPU copies the weights through a page-locked buffer (streaming.
+    Uploader): ComfyUI's `.to()` of a weight in a file mapping, on both hosts, is a pageable
+    copy at a third of the speed. The rest of the load is ComfyUI's. A weight so copied out of
+    a file mapping, without patches, keeps its place in the mapping (`HostCopies`): unloading
+    it takes no copy back from the GPU, which for the whole DiT (ComfyUI unloads it whenever
+    a LoRA is switched on) is 19 GiB.
+
+    With v0.33's dynamic VRAM the fp8 layers hold views of comfy-aimdo's file mapping
+    (`LoaderState.mapped`: their data pointers), which the driver cannot page-lock:
+    ComfyUI's pinning of an offloaded weight would fail ("Pin error.") and synchronize. A
+    weight ComfyUI pins is copied out of the mapping first, so only offloaded weights are
+    copied: copying all 19 GiB at load cost the loader 5-6 s on an H100.
+    """
+
+    # during a load to the GPU: its uploader, and the data pointers of the weights in a file
+    # mapping (`streaming.file_backed`)
+    _uploader: streaming.Uploader | None = None
+    _backed = frozenset()
+
+    def load(self, device_to=None, *args, **kwargs):
+        self._uploader = None
+        if (
+            device_to is not None
+            and torch.device(device_to).type == "cuda"
+            and not getattr(comfy.cli_args.args, "disable_pinned_memory", False)
+        ):
+            self._uploader = streaming.Uploader.for_tensors(self.model.parameters())
+        if self._uploader is not None:
+            self._backed = streaming.file_backed(self.model.parameters())
+        try:
+            return super().load(device_to, *args, **kwargs)
+        finally:
+            if self._uploader is not None:
+                self._uploader.close()
+            self._uploader = None
+
+    def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
+        """ComfyUI's, from a copy the uploader made where `load` has one: the weight's own
+        data where the key has no patches (what the module's `.to()` that follows would
+        have done), else the patches' input, the host weight kept as the backup."""
+        uploader = self._uploader
+        plain = not (args or any(kwargs.values()) or self.weight_inplace_update)
+        weight = comfy.utils.get_attr(self.model, key) if uploader and device_to and plain else None
+        if weight is not None and uploader.takes(weight):
+            if key not in self.patches:
+                host = weight.data
+                weight.data = uploader.to(weight, device_to)
+                if host.data_ptr() in self._backed:
+                    self.model.qwen_turbo.hosts[key] = (host, weight.data_ptr())
+            elif key not in self.backup:
+                self.backup[key] = Backup(weight, False)
+                comfy.utils.set_attr_param(self.model, key, uploader.to(weight, device_to))
+        return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        """ComfyUI's. A weight the load copied out of a file mapping goes back to its place
+        there instead of being copied back from the GPU, while its GPU copy is still the
+        weight's tensor. A weight without patches keeps the file's values: ComfyUI writes
+        weights in place only where it patches them (those are never kept), and no version
+        counter could tell otherwise (the executor's tensors are inference tensors, and
+        ComfyUI writes through `.data`)."""
+        hosts = self.model.qwen_turbo.hosts
+        to_host = device_to is not None and torch.device(device_to).type == "cpu"
+        if hosts and unpatch_weights and to_host:
+            for key, (host, ptr) in hosts.items():
+                weight = comfy.utils.get_attr(self.model, key)
+                if weight.data_ptr() == ptr and key not in self.backup:
+                    weight.data = host
+            hosts.clear()
+        return super().unpatch_model(device_to, unpatch_weights)
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        """ComfyUI's, after this model's cached CUDA graphs are dropped: ComfyUI asks a model
+        for room this way, the graphs point at weights about to move, and ComfyUI cannot see
+        them. What their release adds to ComfyUI's free count (it already counts their
+        pools' unused memory) is taken off what the weights must free."""
+        before = mm.get_free_memory(self.load_device)
+        if not memory.drop(self.model):
+            return super().partially_unload(device_to, memory_to_free, *args, **kwargs)
+        mm.soft_empty_cache()
+        gained = max(0, mm.get_free_memory(self.load_device) - before)
+        log_once(log, logging.INFO, "Optimized Loader: ComfyUI asked the model for room; its "
+                 "cached CUDA graphs went first, before any weight")  # fmt: skip
+        if gained >= memory_to_free:
+            return gained
+        return gained + super().partially_unload(
+            device_to, memory_to_free - gained, *args, **kwargs
+        )
+
+    def pin_weight_to_device(self, key):
+        mapped = self.model.qwen_turbo.mapped
+        weight = comfy.utils.get_attr(self.model, key) if mapped else None
+        if weight is not None and weight.data_ptr() in mapped:
+            mapped.discard(weight.data_ptr())
+            comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
+        super().pin_weight_to_device(key)
