@@ -10,7 +10,7 @@ import re
 import torch
 
 from .. import qwen_dit
-from ..cuda_graphs import own
+from ..graphs.policy import own
 from . import wire
 
 
