@@ -120,8 +120,9 @@ def base_model(a):
     """(loader → ModelSamplingAuraFlow, graph backend)."""
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
-    from qwen_turbo.runtime import cuda_graphs, host
+    from qwen_turbo.runtime import host
     from qwen_turbo.runtime.dit import files, loader
+    from qwen_turbo.runtime.graphs.capture import CudaGraphs
     from tests.harness import models
 
     if a.tiny:  # as tests/test_graph_compat.py builds it
@@ -134,7 +135,7 @@ def base_model(a):
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --tiny)"
     missing = host.missing("cuda_graphs")
     assert missing is None, f"the sampler runs as KSampler on this host: {missing}"
-    return build_model("qwen", a.layers), cuda_graphs.CudaGraphs
+    return build_model("qwen", a.layers), CudaGraphs
 
 
 def run(a):
@@ -144,9 +145,9 @@ def run(a):
     import torch
 
     import nodes
-    from qwen_turbo.nodes.graph_sampler import sample_within_memory
     from qwen_turbo.runtime import memory
     from qwen_turbo.runtime.bench import rel_l2
+    from qwen_turbo.runtime.graphs.sampling import sample_within_memory
     from tests.harness.compat_nodes import path_taken
 
     started = time.perf_counter()

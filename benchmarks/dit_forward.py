@@ -140,8 +140,8 @@ def sample(sd, size, steps, variant):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     import nodes as comfy_nodes
-    from qwen_turbo.nodes.graph_sampler import with_cuda_graphs
-    from qwen_turbo.runtime import cuda_graphs
+    from qwen_turbo.runtime.graphs.cache import cache_for
+    from qwen_turbo.runtime.graphs.sampling import with_cuda_graphs
 
     g = torch.Generator().manual_seed(2)
     cond = [[torch.randn((1, 256, 3584), generator=g), {}]]
@@ -164,7 +164,7 @@ def sample(sd, size, steps, variant):
             times.append(time.perf_counter() - t0)
         out[name] = {"first_s": round(times[0], 2), "second_s": round(times[1], 2)}
         if name == "pack":
-            stats = cuda_graphs.cache_for(lora.model).stats
+            stats = cache_for(lora.model).stats
             out[name].update(captured=stats.captured, replayed=stats.replayed,
                              eager=stats.eager, reasons=dict(stats.reasons))  # fmt: skip
         del model, lora

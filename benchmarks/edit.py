@@ -83,8 +83,9 @@ def run(a):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import bench, cuda_graphs, memory
+    from qwen_turbo.runtime import bench, memory
     from qwen_turbo.runtime.dit import config
+    from qwen_turbo.runtime.graphs.cache import cache_for
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(a.layers, "cuda").items()}
     torch.cuda.empty_cache()
@@ -119,7 +120,7 @@ def run(a):
                 stock_ref.setdefault(key, ref)
                 row = {"loader": loader, "size": size, "refs": n_refs, "ref_method": method}
                 for mode in modes:
-                    stats = cuda_graphs.cache_for(model.model).stats
+                    stats = cache_for(model.model).stats
                     before = copy.deepcopy(stats)
                     out, first = timed(sampler(mode))  # a graph mode's includes the capture
                     peak = torch.cuda.max_memory_allocated() / 2**30

@@ -166,7 +166,8 @@ def run(a):
     import torch
 
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import cuda_graphs, memory
+    from qwen_turbo.runtime import memory
+    from qwen_turbo.runtime.graphs.cache import cache_for
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     model = build_model(a.arch, a.layers)
@@ -198,11 +199,11 @@ def run(a):
             latent = {"samples": torch.zeros((1, 16, size // 8, size // 8))}
             sampler(a.soak_capture, latent, m)()
             torch.cuda.synchronize()
-            stats = cuda_graphs.cache_for(model.model).stats
+            stats = cache_for(model.model).stats
             rows.append({"run": i, "size": size, "lora": m is lora,
                          "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
                          "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3),
-                         "graphs": len(cuda_graphs.cache_for(model.model).graphs),
+                         "graphs": len(cache_for(model.model).graphs),
                          "captured": stats.captured, "replayed": stats.replayed,
                          "eager": stats.eager})  # fmt: skip
             print(rows[-1])
@@ -239,7 +240,7 @@ def run(a):
         if size == a.busy_size:
             row["ksampler_gpu_busy"] = gpu_busy(stock)
         for mode in a.modes:
-            stats = cuda_graphs.cache_for(model.model).stats  # new after free_graphs
+            stats = cache_for(model.model).stats  # new after free_graphs
             ours, before = sampler(mode, latent), copy.deepcopy(stats)
             out, first = timed(ours)  # includes the capture
             t_ours = statistics.median(timed(ours)[1] for _ in range(a.repeats))
@@ -301,8 +302,9 @@ def caching(a, model, cond, timed, rel_l2):
     import torch
 
     import nodes
-    from qwen_turbo.nodes.graph_sampler import sample_with_graphs
-    from qwen_turbo.runtime import cuda_graphs, memory
+    from qwen_turbo.runtime import memory
+    from qwen_turbo.runtime.graphs.capture import CudaGraphs
+    from qwen_turbo.runtime.graphs.sampling import sample_with_graphs
     from tests.harness import models
 
     cached = with_caching_node(model, a.cache, a.reuse_threshold)
@@ -318,7 +320,7 @@ def caching(a, model, cond, timed, rel_l2):
         def run(m, tag, who, args=args, status=status):
             if who == "ksampler":
                 return nodes.common_ksampler(m, *args)[0]["samples"]
-            latent, status[tag] = sample_with_graphs(m, whole_step, cuda_graphs.CudaGraphs, *args)
+            latent, status[tag] = sample_with_graphs(m, whole_step, CudaGraphs, *args)
             return latent["samples"]
 
         for m, tag in ((model, "plain"), (cached, a.cache)):

@@ -1,7 +1,7 @@
 """The one owner of what the pack holds in VRAM beside ComfyUI's models.
 
 ComfyUI's memory manager tracks the models it loads, not what the pack keeps beside them:
-the captured CUDA graphs' memory pools (a cache per model, `cuda_graphs.cache_for`), which
+the captured CUDA graphs' memory pools (a cache per model, `graphs.cache.cache_for`), which
 ComfyUI counts as free (torch's reserved, unused memory) but cannot drop. Each such holder
 registers here under its model, and every feature that needs room goes through here: the
 Optimized Loader's patcher when ComfyUI asks a model for room (`drop`), VAE Tiling before a

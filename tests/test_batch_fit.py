@@ -9,8 +9,8 @@ import comfy.sd
 import pytest
 import torch
 
-from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.runtime import batch_fit, host
+from qwen_turbo.runtime.graphs import sampling
 from tests.harness import models
 
 GiB = 2**30
@@ -108,6 +108,6 @@ def test_a_host_without_the_estimate_gives_no_count(dit, card, monkeypatch):
 def test_out_of_memory_names_the_batch_that_fits(dit):
     latent = {"samples": torch.zeros((6, 16, 314, 314))}
     e = mm.OOM_EXCEPTION("CUDA out of memory.")
-    msg = str(graph_sampler.out_of_memory(dit, latent, 3, e))
+    msg = str(sampling.out_of_memory(dit, latent, 3, e))
     assert "batch 6" in msg and "By that estimate 3 pictures of this size fit." in msg
-    assert "pictures of this size fit" not in str(graph_sampler.out_of_memory(dit, latent, None, e))
+    assert "pictures of this size fit" not in str(sampling.out_of_memory(dit, latent, None, e))

@@ -26,8 +26,19 @@ from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import batch_fit, cuda_graphs, memory
+from qwen_turbo.runtime import batch_fit, memory
 from qwen_turbo.runtime.dit import files, loader
+from qwen_turbo.runtime.graphs import sampling
+from qwen_turbo.runtime.graphs.cache import Graph, cache_for
+from qwen_turbo.runtime.graphs.capture import CudaGraphs
+from qwen_turbo.runtime.graphs.inputs import cond_inputs, with_cond_buffers
+from qwen_turbo.runtime.graphs.policy import PACK, foreign_code, foreign_object_patch
+from qwen_turbo.runtime.graphs.runners import (
+    GraphRunner,
+    ModelRunner,
+    free_on_unload,
+    innermost_free,
+)
 from tests.harness import models
 
 
@@ -64,6 +75,7 @@ class Recorder(TorchDispatchMode):
         self.ops.append((func, args, kwargs or {}, out))
         return out
 
+    @torch.no_grad()  # as a CUDA graph's kernels, which autograd never sees
     def replay(self):
         """Run the ops again on the same tensors, writing into the tensors they wrote."""
         for func, args, kwargs, out in self.ops:
@@ -116,11 +128,11 @@ SAMPLINGS = pytest.mark.parametrize(
 
 @SAMPLINGS
 def test_replayed_sampling_equals_ksampler(dit, sampler, scheduler, denoise, neg_tokens):
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
     before = (cache.stats.captured, cache.stats.replayed)
     ref = _sample(dit, sampler, scheduler, denoise, neg_tokens)
-    out = _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs), sampler, scheduler, denoise,
+    out = _sample(sampling.with_cuda_graphs(dit, TracedGraphs), sampler, scheduler, denoise,
                   neg_tokens)  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     captured = cache.stats.captured - before[0]
@@ -131,11 +143,11 @@ def test_replayed_sampling_equals_ksampler(dit, sampler, scheduler, denoise, neg
 
 @SAMPLINGS
 def test_whole_step_graph_equals_ksampler(dit, sampler, scheduler, denoise, neg_tokens):
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
     before = copy.deepcopy(cache.stats)
     ref = _sample(dit, sampler, scheduler, denoise, neg_tokens)
-    model = graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step=True)
+    model = sampling.with_cuda_graphs(dit, TracedGraphs, whole_step=True)
     out = _sample(model, sampler, scheduler, denoise, neg_tokens)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     # one graph holds the step's cond and uncond forwards, whatever their text lengths
@@ -156,21 +168,21 @@ def test_step_graph_inputs_are_the_conds_tensors():
                       "uuid": object(), "area": (4, 4, 0, 0), "strength": 0.5}],
         "negative": None,
     }  # fmt: skip
-    tensors, desc = cuda_graphs.cond_inputs(conds)
+    tensors, desc = cond_inputs(conds)
     paths = [p for p, _ in tensors]
     assert paths == [("positive", 0, "c_crossattn", 0), ("positive", 0, "ref_latents", 0),
                      ("positive", 0, "ref_latents", 1)]  # fmt: skip
     assert [t for _, t in tensors][0] is text
     assert ("method", 0, "index") in desc and ("positive", 0, (4, 4, 0, 0), 0.5) in desc
     buffers = {p: t.clone() + 1 for p, t in tensors}
-    static = cuda_graphs.with_cond_buffers(conds, buffers)
+    static = with_cond_buffers(conds, buffers)
     mc = static["positive"][0]["model_conds"]
     assert mc["c_crossattn"].cond is buffers[paths[0]]
     assert mc["ref_latents"].cond[1] is buffers[paths[2]]
     assert mc["method"].cond == "index" and static["negative"] is None
     assert conds["positive"][0]["model_conds"]["c_crossattn"].cond is text  # original untouched
     conds["positive"][0]["mask"] = torch.ones(1, 4, 4)
-    assert cuda_graphs.cond_inputs(conds) == (None, "conditioning with 'mask'")
+    assert cond_inputs(conds) == (None, "conditioning with 'mask'")
 
 
 def _timestep_range(model):
@@ -197,11 +209,11 @@ def _step_callback(model):
 )  # fmt: skip
 def test_whole_step_falls_back_to_model_call_graphs(dit, setup, reason, caplog):
     model, positive = setup(dit)
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
     before = copy.deepcopy(cache.stats)
     with caplog.at_level(logging.INFO):
-        out = _sample(graph_sampler.with_cuda_graphs(model, FakeGraphs, whole_step=True),
+        out = _sample(sampling.with_cuda_graphs(model, TracedGraphs, whole_step=True),
                       positive=positive)  # fmt: skip
     torch.testing.assert_close(out, _sample(model, positive=positive), rtol=0, atol=0)
     assert f"whole step not captured: {reason}" in caplog.text
@@ -215,12 +227,12 @@ def test_sampler_takes_a_compiled_model(dit):
     inductor's C++ build on CPU."""
     compiled = dit.clone()
     set_torch_compile_wrapper(compiled, backend="aot_eager")
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
     before = copy.deepcopy(cache.stats)
     ref = _sample(compiled)
     for whole_step in (False, True):
-        out = _sample(graph_sampler.with_cuda_graphs(compiled, FakeGraphs, whole_step))
+        out = _sample(sampling.with_cuda_graphs(compiled, TracedGraphs, whole_step))
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert cache.stats.captured - before.captured == 2 and cache.stats.eager == before.eager
 
@@ -232,7 +244,7 @@ def test_interrupt_stops_at_a_step_and_leaves_the_next_run_exact(dit, whole_step
     import comfy.model_management as mm
     import comfy.utils
 
-    cuda_graphs.cache_for(dit.model).clear()
+    cache_for(dit.model).clear()
     steps = []
 
     def hook(value, total, preview, node_id=None):
@@ -243,14 +255,14 @@ def test_interrupt_stops_at_a_step_and_leaves_the_next_run_exact(dit, whole_step
     comfy.utils.set_progress_bar_global_hook(hook)
     try:
         with pytest.raises(mm.InterruptProcessingException):
-            _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step), steps=3)
+            _sample(sampling.with_cuda_graphs(dit, TracedGraphs, whole_step), steps=3)
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
         mm.interrupt_current_processing(False)
     assert steps == [1]
-    captured = cuda_graphs.cache_for(dit.model).stats.captured
-    out = _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs, whole_step), steps=3)
-    assert cuda_graphs.cache_for(dit.model).stats.captured == captured  # replayed
+    captured = cache_for(dit.model).stats.captured
+    out = _sample(sampling.with_cuda_graphs(dit, TracedGraphs, whole_step), steps=3)
+    assert cache_for(dit.model).stats.captured == captured  # replayed
     torch.testing.assert_close(out, _sample(dit, steps=3), rtol=0, atol=0)
 
 
@@ -287,7 +299,7 @@ def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, rout
         routes.append(whole_step)
         return latent, "captured 1"
 
-    monkeypatch.setattr(graph_sampler, "sample_within_memory", with_graphs)
+    monkeypatch.setattr(sampling, "sample_within_memory", with_graphs)
     monkeypatch.setattr(
         nodes, "common_ksampler", lambda *a, **k: routes.append("KSampler") or [latent]
     )
@@ -312,7 +324,7 @@ class OutOfMemoryGraphs(FakeGraphs):
         return replay, out, nbytes, first
 
 
-class CountingGraphs(FakeGraphs):
+class CountingGraphs(TracedGraphs):
     replays = 0
 
     @classmethod
@@ -333,7 +345,7 @@ def test_the_capturing_step_is_not_replayed(dit):
     args = (7, 3, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     memory.release(dit.model)
     CountingGraphs.calls = CountingGraphs.replays = 0
-    out, _ = graph_sampler.sample_with_graphs(dit, True, CountingGraphs, *args)
+    out, _ = sampling.sample_with_graphs(dit, True, CountingGraphs, *args)
     assert CountingGraphs.calls == 1 and CountingGraphs.replays == 2
     ref = nodes.common_ksampler(dit, *args)[0]["samples"]
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
@@ -347,11 +359,13 @@ def test_graphs_stay_after_a_run_only_with_room_beside_them(dit, monkeypatch, fr
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     memory.release(dit.model)
-    monkeypatch.setattr(graph_sampler, "free_beside_graphs", lambda device, held: free)
-    _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
+    monkeypatch.setattr(
+        "qwen_turbo.runtime.graphs.cache.free_beside_graphs", lambda device, held: free
+    )
+    _, status = sampling.sample_with_graphs(dit, False, FakeGraphs, *args)
     assert ("dropped after the run for room" in status) == (free == 200), status
     assert memory.held_bytes() == (100 if free == 4000 else 0)
-    _, status = graph_sampler.sample_with_graphs(dit, False, FakeGraphs, *args)
+    _, status = sampling.sample_with_graphs(dit, False, FakeGraphs, *args)
     assert status.startswith("replayed 2" if free == 4000 else "captured 1, replayed 1"), status
 
 
@@ -366,7 +380,7 @@ def test_comfyui_asking_the_loaders_model_for_room_drops_its_graphs_first(monkey
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     args = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     memory.release_all()
-    graph_sampler.sample_with_graphs(model, False, FakeGraphs, *args)
+    sampling.sample_with_graphs(model, False, FakeGraphs, *args)
     assert memory.held_bytes() == 100
 
     def free(device=None, torch_free_too=False):
@@ -402,10 +416,10 @@ def test_room_asked_of_the_loaders_model_on_a_gpu_comes_from_its_graphs_first():
         model.load(cuda, full_load=True)
         w = model.model.diffusion_model.img_in.weight
         x = torch.randn((4096, w.shape[1]), device=cuda, dtype=w.dtype)
-        replay, out, nbytes, _ = cuda_graphs.CudaGraphs.capture(lambda: x @ w.t())
+        replay, out, nbytes, _ = CudaGraphs.capture(lambda: x @ w.t())
         memory.release_all()
-        graph = cuda_graphs.Graph(replay, [x], out, nbytes)
-        cuda_graphs.cache_for(model.model.diffusion_model).put(("test",), graph)
+        graph = Graph(replay, [x], out, nbytes)
+        cache_for(model.model.diffusion_model).put(("test",), graph)
         del graph, out
         assert memory.held_bytes() == nbytes > 0
         assert model.partially_unload(model.offload_device, 1) >= 1
@@ -432,13 +446,13 @@ def test_out_of_memory_with_graphs_drops_them_and_runs_as_ksampler(dit, caplog, 
     monkeypatch.setattr(comfy.model_management, "load_models_gpu", load_models_gpu)
     monkeypatch.setattr(dit.model, "memory_usage_factor", 0.9)
     with caplog.at_level(logging.WARNING):
-        out, status = graph_sampler.sample_within_memory(dit, False, OutOfMemoryGraphs, *args)
+        out, status = sampling.sample_within_memory(dit, False, OutOfMemoryGraphs, *args)
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
     assert asked[1] == pytest.approx(asked[0] * dit.model.model_config.memory_usage_factor / 0.9)
     assert dit.model.memory_usage_factor == 0.9
     assert handling == [None, None]  # run again after the handler: the failed run's frames freed
     assert status.startswith("off (out of memory with graphs") and "ran as KSampler" in status
-    assert not cuda_graphs.cache_for(dit.model).graphs  # dropped
+    assert not cache_for(dit.model).graphs  # dropped
     assert "out of memory with graphs" in caplog.text
 
 
@@ -446,7 +460,7 @@ def test_out_of_memory_names_the_size_and_what_to_change(dit, monkeypatch):
     def oom(*args, **kwargs):
         raise comfy.model_management.OOM_EXCEPTION("CUDA out of memory. Tried to allocate 9 GiB")
 
-    monkeypatch.setattr(graph_sampler.comfy_nodes, "common_ksampler", oom)
+    monkeypatch.setattr(sampling.comfy_nodes, "common_ksampler", oom)
     latent = {"samples": torch.zeros((2, 16, 6, 8))}
     args = (dit, 7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     with pytest.raises(comfy.model_management.OOM_EXCEPTION) as e:  # ComfyUI then unloads
@@ -467,15 +481,15 @@ def test_a_graph_is_never_replayed_for_a_clone_with_other_wrappers(dit):
         calls.append(1)
         return executor(*args, **kwargs)
 
-    counting.__module__ = cuda_graphs.PACK
+    counting.__module__ = PACK
     other = dit.clone()
     other.add_wrapper_with_key("diffusion_model", "counting", counting)
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
     for model in (dit, other):
         before = cache.stats.captured
-        graph_sampler.sample_with_graphs(model, False, FakeGraphs, 42, 2, 2.5, "euler", "simple",
+        sampling.sample_with_graphs(model, False, FakeGraphs, 42, 2, 2.5, "euler", "simple",
                                          _cond(8, 1), _cond(8, 2), latent)  # fmt: skip
         assert cache.stats.captured == before + 1
     assert calls  # the wrapper ran: captured with it, not replayed without it
@@ -491,28 +505,28 @@ def test_a_wrapper_that_talks_per_call_keeps_graphs_inside_it():
         def __call__(self, executor, *args, **kwargs):
             return executor(*args, **kwargs)
 
-    Driver.__module__ = cuda_graphs.PACK
-    inner = cuda_graphs.ModelRunner(lambda: True, FakeGraphs)
+    Driver.__module__ = PACK
+    inner = ModelRunner(lambda: True, FakeGraphs)
     driver = Driver()
     options = {"wrappers": {"diffusion_model": {"multigpu": [driver], "graphs": [inner]}}}
     reason = "'multigpu' diffusion_model wrapper runs Python per step"
-    assert cuda_graphs.foreign_code(options, "apply_model", []) == reason
-    assert cuda_graphs.innermost_free(options)
+    assert foreign_code(options, "apply_model", []) == reason
+    assert innermost_free(options)
     options["wrappers"]["diffusion_model"] = {"graphs": [inner], "multigpu": [driver]}
-    assert not cuda_graphs.innermost_free(options)
+    assert not innermost_free(options)
 
 
 def test_new_weights_recapture_and_drop_stale_graphs(dit):
-    cache = cuda_graphs.cache_for(dit.model)
+    cache = cache_for(dit.model)
     cache.clear()
-    _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs))
+    _sample(sampling.with_cuda_graphs(dit, TracedGraphs))
     old_keys = set(cache.graphs)
     layer = dit.model.diffusion_model.img_in
     original = layer.weight
     try:
         layer.weight = torch.nn.Parameter(original.detach() * 1.5)  # as a LoRA patch replaces it
         ref = _sample(dit)
-        out = _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs))
+        out = _sample(sampling.with_cuda_graphs(dit, TracedGraphs))
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
         assert set(cache.graphs).isdisjoint(old_keys) and cache.graphs
     finally:
@@ -520,10 +534,10 @@ def test_new_weights_recapture_and_drop_stale_graphs(dit):
 
 
 def test_failed_capture_runs_eagerly_with_the_same_result(dit, caplog):
-    cuda_graphs.cache_for(dit.model).clear()
+    cache_for(dit.model).clear()
     FailingGraphs.calls = 0
     with caplog.at_level(logging.INFO):
-        out = _sample(graph_sampler.with_cuda_graphs(dit, FailingGraphs), steps=3)
+        out = _sample(sampling.with_cuda_graphs(dit, FailingGraphs), steps=3)
     torch.testing.assert_close(out, _sample(dit, steps=3), rtol=0, atol=0)
     assert FailingGraphs.calls == 1  # not retried for the same shape
     assert "capture failed" in caplog.text
@@ -531,13 +545,13 @@ def test_failed_capture_runs_eagerly_with_the_same_result(dit, caplog):
 
 def test_unload_frees_the_graphs(dit):
     model = dit.model
-    cuda_graphs.cache_for(model).clear()
-    _sample(graph_sampler.with_cuda_graphs(dit, FakeGraphs))
-    assert cuda_graphs.cache_for(model).graphs
-    graph_sampler._free_on_unload(dit, unpatch_all=False)  # weights stay: graphs stay
-    assert cuda_graphs.cache_for(model).graphs
-    graph_sampler._free_on_unload(dit, unpatch_all=True)
-    assert not cuda_graphs.cache_for(model).graphs
+    cache_for(model).clear()
+    _sample(sampling.with_cuda_graphs(dit, FakeGraphs))
+    assert cache_for(model).graphs
+    free_on_unload(dit, unpatch_all=False)  # weights stay: graphs stay
+    assert cache_for(model).graphs
+    free_on_unload(dit, unpatch_all=True)
+    assert not cache_for(model).graphs
 
 
 class _Executor:
@@ -560,9 +574,9 @@ def _run(runner, ex, x, **kw):
 
 def test_runner_keys_graphs_by_shape_and_bounds_the_cache():
     ex = _Executor()
-    cache = cuda_graphs.cache_for(ex.class_obj)
+    cache = cache_for(ex.class_obj)
     cache.max_graphs = 2
-    runner = cuda_graphs.GraphRunner(lambda: True, FakeGraphs)
+    runner = GraphRunner(lambda: True, FakeGraphs)
     for n in (3, 3, 5, 7, 3):
         x = torch.randn(1, n, 4)
         torch.testing.assert_close(_run(runner, ex, x), ex.class_obj(x))
@@ -583,12 +597,12 @@ def test_runner_keys_graphs_by_shape_and_bounds_the_cache():
 )
 def test_runner_falls_back_to_eager(kwargs, resident, reason, caplog):
     ex = _Executor()
-    runner = cuda_graphs.GraphRunner(lambda: resident, FakeGraphs)
+    runner = GraphRunner(lambda: resident, FakeGraphs)
     x = torch.randn(2, 3, 4)
     with caplog.at_level(logging.INFO):
         out = _run(runner, ex, x, **kwargs)
     torch.testing.assert_close(out, ex.class_obj(x))
-    stats = cuda_graphs.cache_for(ex.class_obj).stats
+    stats = cache_for(ex.class_obj).stats
     assert stats.captured == 0 and stats.eager == 1
     assert reason in caplog.text
 
@@ -605,7 +619,7 @@ def test_host_inputs_are_copied_only_when_they_change():
 
     buf = torch.empty(3, device="meta").as_subclass(Buffer)
     t = torch.randn(3)
-    graph = cuda_graphs.Graph(lambda: None, [buf], torch.zeros(1), 0, [(t, t._version)])
+    graph = Graph(lambda: None, [buf], torch.zeros(1), 0, [(t, t._version)])
     graph.load([t])
     assert copies == []
     t.add_(1)
@@ -621,8 +635,7 @@ def test_host_inputs_are_copied_only_when_they_change():
 
 
 def test_graph_status_reports_this_run_only():
-    from qwen_turbo.nodes.graph_sampler import graph_status
-    from qwen_turbo.runtime.cuda_graphs import Stats
+    from qwen_turbo.runtime.graphs.cache import Stats, graph_status
 
     before = Stats(captured=1, replayed=5, reasons={"lowvram": 2})
     after = Stats(captured=2, replayed=8, eager=1, reasons={"lowvram": 2, "new reason": 1})
@@ -697,17 +710,17 @@ def test_python_that_a_replay_would_skip_stays_outside_the_graphs(
     in the badge, and the latent equals KSampler's with the same node, while a replay that
     froze the Python would not."""
     model = setup(dit)
-    cuda_graphs.cache_for(dit.model).clear()
+    cache_for(dit.model).clear()
     ref = _sample(model, steps=6)
     assert not torch.equal(ref, _sample(dit, steps=6))  # the node changes the result
-    out, status = graph_sampler.sample_with_graphs(
+    out, status = sampling.sample_with_graphs(
         model, whole_step, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
         {"samples": torch.zeros((1, 16, 6, 8))},
     )  # fmt: skip
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
     if eager is not None:  # no runner installed: KSampler's own path
         assert status == f"ran as KSampler: {eager} run Python per step"
-        assert not cuda_graphs.cache_for(dit.model).stats.eager
+        assert not cache_for(dit.model).stats.eager
         return
     counts = status.split(";")[0]
     assert "eager" not in counts and "replayed" in counts
@@ -721,7 +734,7 @@ def test_python_that_a_replay_would_skip_stays_outside_the_graphs(
 def test_badge_reports_the_steps_a_caching_node_skipped(dit, node):
     model = _cached(node, dit)
     ref = _sample(model, steps=6)
-    out, status = graph_sampler.sample_with_graphs(
+    out, status = sampling.sample_with_graphs(
         model, False, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
         {"samples": torch.zeros((1, 16, 6, 8))},
     )  # fmt: skip
@@ -729,7 +742,7 @@ def test_badge_reports_the_steps_a_caching_node_skipped(dit, node):
     name = node.__name__.removesuffix("Node")
     skipped = int(status.split(f"{name} skipped ")[1].split(" of 6 steps")[0])
     assert 0 < skipped < 6, status
-    assert "skipped" not in graph_sampler.sample_with_graphs(
+    assert "skipped" not in sampling.sample_with_graphs(
         dit, False, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),
         {"samples": torch.zeros((1, 16, 6, 8))},
     )[1]  # fmt: skip
@@ -744,7 +757,7 @@ def test_policy_trusts_the_packs_code_only(dit):
     patcher = dit.clone()
     loader.add_fused_blocks(patcher)
     assert "model_sampling" in patcher.object_patches and len(patcher.object_patches) > 1
-    assert cuda_graphs.foreign_object_patch(patcher.object_patches) is None
+    assert foreign_object_patch(patcher.object_patches) is None
 
     def outer(ex, *a, **kw):
         return ex(*a, **kw)
@@ -752,30 +765,30 @@ def test_policy_trusts_the_packs_code_only(dit):
     def inner(ex, *a, **kw):
         return ex(*a, **kw)
 
-    runner = cuda_graphs.GraphRunner(lambda: True, FakeGraphs)
+    runner = GraphRunner(lambda: True, FakeGraphs)
     own = {"optimized_attention_override": attention.attention_override("sdpa")}
     apply_model = {"someone": [outer], "torch.compile": [print], "qwen_turbo_cuda_graphs": [runner]}
     options = {"wrappers": {"apply_model": apply_model}, **own}
-    assert cuda_graphs.foreign_code(options, "apply_model", [print]) is None
+    assert foreign_code(options, "apply_model", [print]) is None
     apply_model["later"] = [inner]
     reason = "'later' apply_model wrapper runs Python per step"
-    assert cuda_graphs.foreign_code(options, "apply_model", [inner]) == reason
-    assert cuda_graphs.foreign_code(options, "predict_noise", []).startswith("'someone' apply")
+    assert foreign_code(options, "apply_model", [inner]) == reason
+    assert foreign_code(options, "predict_noise", []).startswith("'someone' apply")
     options = {"wrappers": {}, "optimized_attention_override": outer}
-    assert "'optimized_attention_override'" in cuda_graphs.foreign_code(options, "apply_model", [])
+    assert "'optimized_attention_override'" in foreign_code(options, "apply_model", [])
     # fp8 attention taking its scales over Multi-GPU ranks: their collectives run eagerly
     group = types.SimpleNamespace(group_name="scales")  # the name is all it is asked for
     scaled = attention.attention_override("fp8_cudnn", amax_group=group)
     options = {"wrappers": {}, "optimized_attention_override": scaled}
-    why = cuda_graphs.foreign_code(options, "apply_model", [])
+    why = foreign_code(options, "apply_model", [])
     assert why == "transformer option 'optimized_attention_override' talks to other processes"
 
 
 def test_trim_drops_graphs_holding_more_than_a_quarter_of_the_free_memory():
     memory.release_all()
     model = torch.nn.Linear(1, 1)
-    cache = cuda_graphs.cache_for(model)
-    cache.put(("a",), cuda_graphs.Graph(None, [], torch.zeros(1), 300, []))
+    cache = cache_for(model)
+    cache.put(("a",), Graph(None, [], torch.zeros(1), 300, []))
     assert memory.trim(1200) == 0 and cache.graphs
     assert memory.trim(1199) == 300 and not cache.graphs
 
@@ -816,7 +829,7 @@ def test_model_sampling_node_as_the_executor_loads_it_is_captured(dit, whole_ste
         memory.release(dit.model)
         ref = _sample(patched, steps=4)
         patched.object_patches["model_sampling"].calls = 0
-        out, status = graph_sampler.sample_with_graphs(
+        out, status = sampling.sample_with_graphs(
             patched, whole_step, TracedGraphs, 42, 4, 2.5, "euler", "simple", _cond(8, 1),
             _cond(8, 2), {"samples": torch.zeros((1, 16, 6, 8))},
         )  # fmt: skip

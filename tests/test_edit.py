@@ -14,10 +14,10 @@ from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 from safetensors.torch import load_file
 
 import nodes
-from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime import cuda_graphs
 from qwen_turbo.runtime.dit import config, files, loader
+from qwen_turbo.runtime.graphs import sampling
+from qwen_turbo.runtime.graphs.cache import cache_for
 from tests.harness import models
 from tests.test_cuda_graph_sampler import FakeGraphs, TracedGraphs
 
@@ -232,18 +232,18 @@ def test_graph_sampler_equals_ksampler_on_edit_conds(variant, refs, whole_step, 
     rerun would call the finished first run's guider)."""
     model = _edit_model(variant, fused)
     backend = FakeGraphs if fused else TracedGraphs
-    cache = cuda_graphs.cache_for(model.model)
+    cache = cache_for(model.model)
     cache.clear()
     args = _ksampler_args(REFS[refs])
     ref = nodes.common_ksampler(model, *args)[0]["samples"]
     without = nodes.common_ksampler(model, *_ksampler_args([]))[0]["samples"]
     assert not torch.equal(ref, without)  # the references change the result
-    out, status = graph_sampler.sample_with_graphs(model, whole_step, backend, *args)
+    out, status = sampling.sample_with_graphs(model, whole_step, backend, *args)
     torch.testing.assert_close(out["samples"], ref, rtol=0, atol=0)
     assert "captured" in status and "replayed" in status and "eager" not in status, status
     captured = cache.stats.captured
     other = _ksampler_args(REFS[refs], positive_seed=7)
-    out, status = graph_sampler.sample_with_graphs(model, whole_step, backend, *other)
+    out, status = sampling.sample_with_graphs(model, whole_step, backend, *other)
     assert cache.stats.captured == captured, status
     torch.testing.assert_close(
         out["samples"], nodes.common_ksampler(model, *other)[0]["samples"], rtol=0, atol=0

@@ -17,9 +17,9 @@ import torch
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
-from qwen_turbo.nodes import graph_sampler
-from qwen_turbo.runtime import cuda_graphs
 from qwen_turbo.runtime.dit import files, loader
+from qwen_turbo.runtime.graphs import sampling
+from qwen_turbo.runtime.graphs.cache import cache_for
 from tests.harness import models
 from tests.harness.compat_nodes import (
     CALL,
@@ -120,9 +120,9 @@ def test_node_through_the_graph_sampler_equals_ksampler(loaded, dit, name, whole
     setup, model_call, step = CASES[name]
     base = loaded if name == "ModelSamplingAuraFlow" else dit
     model = dit if setup is None else setup(dit)
-    cuda_graphs.cache_for(base.model).clear()
+    cache_for(base.model).clear()
     ref = nodes.common_ksampler(model, *_args())[0]["samples"]
-    out, status = graph_sampler.sample_with_graphs(model, whole_step, TracedGraphs, *_args())
+    out, status = sampling.sample_with_graphs(model, whole_step, TracedGraphs, *_args())
     if name == "TorchCompileModel":
         # compiling is meant to keep the result: its Python is the compile wrapper around
         # apply_model, which the sampler must keep (SAFE_WRAPPERS)

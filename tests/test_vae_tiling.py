@@ -335,14 +335,15 @@ def test_out_of_memory_asks_comfyui_again_before_retrying(qwen_vae, memory_reque
 def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch, free_gib, kept):
     """Short of room, the sampler's cached graphs are dropped before ComfyUI is asked to
     unload or offload a model; with room to spare they stay for the next run."""
-    from qwen_turbo.runtime import cuda_graphs, memory
+    from qwen_turbo.runtime import memory
+    from qwen_turbo.runtime.graphs.cache import Graph, cache_for
 
     free = int(free_gib * 2**30)
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
     monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
     model = nn.Linear(2, 2)
-    cache = cuda_graphs.cache_for(model)
-    cache.put("key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**30))
+    cache = cache_for(model)
+    cache.put("key", Graph(lambda: None, [], torch.zeros(1), 2**30))
     seen = []
     monkeypatch.setattr(mm, "load_models_gpu", lambda *a, **k: seen.append(len(cache.graphs)))
     node._make_room(qwen_vae, 2**30)
@@ -355,14 +356,15 @@ def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, mon
     """ComfyUI counts 64 GiB free (its count takes a graph pool's unused memory as free), so a
     set budget keeps the sampler's cached graph; the decode runs out of memory, and the graph
     is gone before the retry."""
-    from qwen_turbo.runtime import cuda_graphs, memory
+    from qwen_turbo.runtime import memory
+    from qwen_turbo.runtime.graphs.cache import Graph, cache_for
 
     free = 64 * 2**30
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free)
     monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
     model = nn.Linear(2, 2)
-    cache = cuda_graphs.cache_for(model)
-    cache.put("key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**30))
+    cache = cache_for(model)
+    cache.put("key", Graph(lambda: None, [], torch.zeros(1), 2**30))
     graphs_at_run, real = [], vae_tiling.execute
 
     def execute(plan, *a, **k):
@@ -383,7 +385,8 @@ def test_automatic_budget_leaves_out_the_cached_graphs(qwen_vae, memory_requests
     """ComfyUI counts 8 GiB free, 2 of them a cached graph's pool that it takes for free: the
     graph stays (room enough for the request) and the decode plans with the other 6, less
     ComfyUI's reserve."""
-    from qwen_turbo.runtime import cuda_graphs, memory
+    from qwen_turbo.runtime import memory
+    from qwen_turbo.runtime.graphs.cache import Graph, cache_for
 
     asked, planned = memory_requests
     free = 8 * 2**30
@@ -391,9 +394,7 @@ def test_automatic_budget_leaves_out_the_cached_graphs(qwen_vae, memory_requests
     monkeypatch.setattr(qwen_vae.patcher, "get_free_memory", lambda dev=None: free, raising=False)
     model = nn.Linear(2, 2)
     memory.release_all()
-    cuda_graphs.cache_for(model).put(
-        "key", cuda_graphs.Graph(lambda: None, [], torch.zeros(1), 2**31)
-    )
+    cache_for(model).put("key", Graph(lambda: None, [], torch.zeros(1), 2**31))
     _tiled(qwen_vae, _latent((1, 16, 1, 9, 10), 13))
     assert memory.held_bytes() == 2**31
     assert planned == [free - 2**31 - mm.extra_reserved_memory()]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import log_once
-from ..cuda_graphs import own
+from ..graphs.policy import own
 from . import wire
 from .pool import MultiGPUError, pool, shutdown
 from .recipe import NotReplicable, attention_name, fused_blocks, recipe

@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from ..cuda_graphs import own
 from ..dit.blocks import fused_block_forward, is_fused_forward
+from ..graphs.policy import own
 from . import wire
 
 

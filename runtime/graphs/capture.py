@@ -1,0 +1,63 @@
+"""The CUDA backend of the graph runners: capture with a warm-up on a side stream."""
+
+from collections.abc import Callable
+
+import torch
+
+
+class CudaGraphs:
+    """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream.
+
+    The side stream is made once per device: cuBLAS keeps a workspace (32 MiB on Hopper) for
+    every stream it has seen, so a new stream per capture would leak one per capture.
+    """
+
+    _side: dict[int, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> str | None:
+        if not x.is_cuda:
+            return f"tensors on {x.device.type}"
+        if torch.cuda.is_current_stream_capturing():
+            return "already inside a capture"
+        return None
+
+    @staticmethod
+    def capture(
+        run: Callable[[], torch.Tensor], mode: str = "global"
+    ) -> tuple[Callable[[], None], torch.Tensor, int, torch.Tensor]:
+        """(replay, the graph's output, the bytes its pool took, the warm-up's output).
+        The warm-up (lazy init, cuBLAS/cuDNN workspaces and autotuning) computes the call
+        eagerly, so its output serves the capturing call: no replay of the same step.
+        `mode`: CUDA's capture error mode; "relaxed" lets the captured Python query free
+        memory (ComfyUI's cond batching does, every step)."""
+        device = torch.cuda.current_device()
+        side = CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = run()
+        torch.cuda.current_stream().wait_stream(side)
+        if isinstance(first, torch.Tensor):
+            first.record_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            out = run()
+        nbytes = pool_bytes(graph.pool())
+        if nbytes is None:
+            nbytes = torch.cuda.memory_reserved() - before
+        return graph.replay, out, nbytes, first
+
+
+def pool_bytes(pool) -> int | None:
+    """What the segments of a graph's memory pool hold; None where the allocator lists none
+    (cudaMallocAsync). The growth of reserved memory over a capture is no measure: where
+    memory is short, the allocator frees cached blocks to make the pool."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:
+        return None
+    return sum(
+        s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+    )

@@ -1,0 +1,102 @@
+"""What may be captured in a graph.
+
+A replay skips the Python inside the captured region, so only code known to hold no per-step
+Python state may sit there: the pack's own and `SAFE_WRAPPERS`. Any other wrapper at a level
+inside the region, model patch, callable transformer option, object patch (other than
+ComfyUI's model sampling, and a wrapped diffusion-model forward for the innermost runner) or,
+for a whole step, CFG function or per-step callback keeps that region out of a graph
+(`foreign_code`); the call goes on to the next runner inside, or runs eagerly.
+"""
+
+import inspect
+
+PACK = __name__.split(".")[0]
+# ComfyUI's wrapper levels, outermost first, from a guided step (PREDICT_NOISE) inward.
+STEP_LEVELS = ("predict_noise", "calc_cond_batch", "apply_model", "diffusion_model")
+# Foreign wrapper keys that hold no per-step state: ComfyUI's torch.compile wrapper swaps the
+# compiled modules in and back the same way on every call (tests prove the replay exact).
+SAFE_WRAPPERS = ("torch.compile",)
+# ModelPatcher callbacks that run inside a guided step (in calc_cond_batch).
+STEP_CALLBACKS = ("on_prepare_state", "on_apply_hooks")
+# Keys of a cond (after ComfyUI's process_conds) whose effect depends on the step's data or
+# runs extra Python per step; a step with any of them is not captured whole.
+PER_STEP_CONDS = ("timestep_start", "timestep_end", "mask", "control", "hooks", "gligen", "default")
+# model_options entries that run Python around the model calls of a step.
+PER_STEP_OPTIONS = (
+    "sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
+    "sampler_calc_cond_batch_function", "model_function_wrapper", "context_handler",
+)  # fmt: skip
+
+
+def region(options: dict, level: str) -> tuple:
+    """The wrappers at `level` and the levels inside it, by key and name: part of a graph's
+    key, so that a graph captured without a wrapper (or with another) is never replayed for a
+    model clone that has it."""
+    wrappers = options.get("wrappers", {})
+    return tuple((lvl, key, getattr(fn, "__qualname__", type(fn).__qualname__))
+                 for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]
+                 for key, fns in wrappers.get(lvl, {}).items() for fn in fns)  # fmt: skip
+
+
+def own(obj) -> bool:
+    """Whether `obj` (a function, a method or a callable object) is this pack's code."""
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return module.split(".")[0] == PACK
+
+
+def model_patches(options: dict) -> str | None:
+    """Why the model patches in transformer `options` (a ControlNet's block patches, say) keep
+    every call out of a graph: they run Python inside the transformer, at every level."""
+    patches = [*options.get("patches", {}), *options.get("patches_replace", {})]
+    return f"model patches ({', '.join(patches)}) run Python per step" if patches else None
+
+
+def foreign_code(options: dict, level: str, inner: list) -> str | None:
+    """Why Python that a replay would skip runs inside a graph captured at `level`: a wrapper
+    among `inner` (those inside the runner's own at `level`) or at a level below it, a model
+    patch or a callable transformer option, none of them the pack's; None if there is none.
+    `options`: the transformer_options of the call."""
+    wrappers = options.get("wrappers", {})
+    for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]:
+        for key, fns in wrappers.get(lvl, {}).items():
+            for fn in fns:
+                inside = lvl != level or any(fn is f for f in inner)
+                foreign = not own(fn) or getattr(fn, "runs_python_per_call", False)
+                if inside and key not in SAFE_WRAPPERS and foreign:
+                    return f"{key!r} {lvl} wrapper runs Python per step"
+    why = model_patches(options)
+    if why is not None:
+        return why
+    for key, value in options.items():
+        if key not in ("wrappers", "callbacks") and callable(value) and not own(value):
+            return f"transformer option {key!r} runs Python per step"
+        if getattr(value, "collective", False):  # its peers run eagerly: never in a graph
+            return f"transformer option {key!r} talks to other processes"
+    return None
+
+
+def comfy_model_sampling(obj) -> bool:
+    """Whether every method of `obj`'s class is ComfyUI's own model sampling (tensor math on
+    the step's sigma, in comfy.model_sampling). The ModelSampling* nodes patch in a subclass
+    with no methods of its own, defined in a module that ComfyUI's node loader names after
+    the file's path, so the module of the class itself says nothing."""
+    for cls in type(obj).__mro__:
+        if cls.__module__ == "comfy.model_sampling" or cls.__module__.split(".")[0] in (
+            "torch", "builtins",
+        ):  # fmt: skip
+            continue
+        kinds = (staticmethod, classmethod, property)
+        if any(inspect.isfunction(v) or isinstance(v, kinds) for v in vars(cls).values()):
+            return False
+    return True
+
+
+def foreign_object_patch(object_patches: dict, outside: tuple[str, ...] = ()) -> str | None:
+    """Why a ModelPatcher's object patches run Python a replay would skip: one that is neither
+    the pack's nor ComfyUI's own model sampling, nor on a key in `outside` (what wraps the
+    captured region from outside)."""
+    for key, obj in object_patches.items():
+        comfy_sampling = key == "model_sampling" and comfy_model_sampling(obj)
+        if not (comfy_sampling or key in outside or own(obj)):
+            return f"object patch on {key!r} runs Python per step"
+    return None

@@ -1,0 +1,152 @@
+"""The CUDA Graph Sampler's run: KSampler with the graph runners on a clone of the model. After
+an out-of-memory error it drops every graph and runs again as KSampler; after a run, the
+graphs stay only where they leave ComfyUI the room it counts on."""
+
+import logging
+from contextlib import contextmanager
+
+import comfy.model_management as mm
+import comfy.patcher_extension as pe
+
+import nodes as comfy_nodes
+
+from .. import batch_fit, host, log_once, memory
+from ..dit.loader import host_estimate
+from .cache import count_run, trim_graphs
+from .capture import CudaGraphs
+from .runners import KEY, install
+
+log = logging.getLogger(__name__)
+CAPTURE_MODES = ["model forward", "whole CFG step", "off"]
+
+
+def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+           latent_image, denoise=1.0):  # fmt: skip
+    """The node's run: (latent, the batch-fit note, the graph status for the badge). `capture`
+    is one of CAPTURE_MODES; off, on a model that runs on no CUDA device, or on a host that
+    lacks an internal the runners rely on, it is KSampler."""
+    args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
+    missing = host.missing("cuda_graphs")
+    cuda = model.load_device.type == "cuda"
+    fit, note = (
+        batch_fit.check(model, latent_image["samples"], positive, negative)
+        if cuda else (None, None)
+    )  # fmt: skip
+    with named_errors(model, latent_image, fit):
+        if capture != "off" and cuda and missing is None:
+            whole_step = capture == "whole CFG step"
+            latent, graphs = sample_within_memory(
+                model, whole_step, CudaGraphs, *args, denoise=denoise
+            )
+        else:
+            latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
+            off = "capture off" if capture == "off" else f"runs on {model.load_device.type}"
+            graphs = f"off ({missing or off})"
+    return latent, note, graphs
+
+
+@contextmanager
+def named_errors(model, latent: dict, fit: int | None):
+    """Errors of the block that a user can act on: an out-of-memory error (`out_of_memory`), a
+    latent of another model (`wrong_channels`); others as they are."""
+    try:
+        yield
+    except Exception as e:
+        if host.is_oom(e):
+            raise out_of_memory(model, latent, fit, e) from e
+        if why := wrong_channels(model, latent["samples"]):
+            raise ValueError(why) from e
+        raise
+
+
+def out_of_memory(model, latent: dict, fit: int | None, e: Exception) -> Exception:
+    """The OOM error a user can act on: the size, ComfyUI's own estimate of what a step needs
+    on top of the weights, what the card has, the batch that fits (`fit`, as counted before
+    the run), and what to change. Still an OOM exception, so that ComfyUI's executor unloads
+    the models as it does for any."""
+    x = latent["samples"]
+    h, w = x.shape[-2] * 8, x.shape[-1] * 8
+    need = model.model.memory_required(x.shape) / 2**30
+    total = mm.get_total_memory(model.load_device) / 2**30
+    fits = f" By that estimate {fit} pictures of this size fit." if fit is not None else ""
+    msg = (
+        f"CUDA Graph Sampler ran out of memory at {w}×{h}, batch {x.shape[0]}: ComfyUI "
+        f"estimates {need:.1f} GiB for a step on top of the weights it keeps on the GPU, and "
+        f"this GPU has {total:.1f} GiB.{fits} Lower the size or batch, close other programs using "
+        "the GPU, or start ComfyUI with --lowvram (or a smaller --reserve-vram). "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    )
+    return mm.OOM_EXCEPTION(msg)
+
+
+def wrong_channels(model, samples) -> str | None:
+    """After a failed run: where the latent's channels are not the model's (a latent another
+    model's VAE made), what to do. ComfyUI resizes an all-zero latent itself."""
+    want = getattr(getattr(model.model, "latent_format", None), "latent_channels", None)
+    nested = getattr(samples, "is_nested", False)
+    if nested or want in (None, samples.shape[1]) or not samples.any():
+        return None
+    return (
+        f"CUDA Graph Sampler: latent_image has {samples.shape[1]} channels, and this model "
+        f"takes {want}. Encode the picture with this model's VAE, or start from an empty latent."
+    )
+
+
+def sample_within_memory(model, whole_step, backend, *args, **kwargs):
+    """sample_with_graphs; where it runs out of memory, every cached graph is dropped and the
+    run goes again as KSampler, which needs no graph memory, with ComfyUI's own activation
+    estimate (the Optimized Loader's measured one is smaller)."""
+    try:
+        return sample_with_graphs(model, whole_step, backend, *args, **kwargs)
+    except Exception as e:
+        if not host.is_oom(e):
+            raise
+    # outside the handler, so the failed run's frames (activations, graph inputs) are freed
+    freed = memory.release_all() / 2**30
+    mm.soft_empty_cache()
+    note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
+    log.warning("CUDA Graph Sampler: %s", note)
+    with host_estimate(model):
+        return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
+
+
+def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
+    """common_ksampler(model, *args, **kwargs) through the graph runners: its latent and this
+    run's graph status for the badge."""
+    skipped = []
+    run = model.clone()  # one clone: each step below adds to its options
+    add_skip_report(run, skipped)
+    why = install(run, backend, whole_step)
+    if why is not None:  # every call eager: no runners, no per-call checks
+        log_once(log, logging.INFO, f"CUDA Graph Sampler: ran as KSampler: {why}")
+        latent = comfy_nodes.common_ksampler(run, *args, **kwargs)[0]
+        return latent, "; ".join([f"ran as KSampler: {why}", *skipped])
+    status = count_run(run.model)
+    latent = comfy_nodes.common_ksampler(run, *args, **kwargs)[0]
+    return latent, "; ".join(filter(None, [status(), trim_graphs(run.load_device), *skipped]))
+
+
+def with_cuda_graphs(model, backend=CudaGraphs, whole_step=False):
+    """A clone of `model` with the graph runners on (`install`)."""
+    model = model.clone()
+    install(model, backend, whole_step)
+    return model
+
+
+def add_skip_report(model, skipped: list) -> None:
+    """Make `model` (a clone of the node's input) append to `skipped`, after sampling, what a
+    step-caching node (EasyCache, LazyCache: their holder in transformer_options) skipped:
+    'EasyCache skipped 3 of 20 steps'. Its OUTER_SAMPLE wrapper sits inside theirs, where
+    their per-run copy is."""
+
+    def report(executor, *args, **kwargs):
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            holder = executor.class_obj.model_options["transformer_options"].get("easycache")
+            if hasattr(holder, "total_steps_skipped"):
+                name = type(holder).__name__.removesuffix("Holder")
+                steps = len(args[3]) - 1  # the sigmas
+                skipped.append(f"{name} skipped {holder.total_steps_skipped} of {steps} steps")
+
+    model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, report)
