@@ -66,7 +66,7 @@ def run(a):
     import torch
 
     import nodes
-    from qwen_turbo.nodes.vae_tiling import decode
+    from qwen_turbo.runtime.vae.tiled import decode
     from tests.harness import models
 
     cuda = torch.cuda.is_available()

@@ -66,8 +66,8 @@ def run(a):
 
     import nodes
     from qwen_turbo.nodes.vae_patches import FusedNormPatch
-    from qwen_turbo.nodes.vae_tiling import encode
     from qwen_turbo.runtime.bench import rel_l2, timed
+    from qwen_turbo.runtime.vae.tiled import encode
     from tests.harness import models
 
     cuda = torch.cuda.is_available()

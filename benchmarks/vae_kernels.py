@@ -41,7 +41,7 @@ def run(a):
     from qwen_turbo.kernels.group_norm_silu import group_norm_silu
     from qwen_turbo.kernels.upsample_conv3x3 import phase_weights, upsample_conv3x3
     from qwen_turbo.nodes.vae_patches import FusedNormPatch, TextureUpsample
-    from qwen_turbo.nodes.vae_tiling import decode as tiled_decode
+    from qwen_turbo.runtime.vae.tiled import decode as tiled_decode
     from tests.harness import models
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"

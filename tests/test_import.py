@@ -30,7 +30,8 @@ def test_kernels_and_runtime_import_without_comfyui():
     out = _run(
         LOAD
         + """
-import qwen_turbo.kernels.group_norm_stats, qwen_turbo.runtime.vae_tiling
+import qwen_turbo.kernels.group_norm_stats
+import qwen_turbo.runtime.vae.describe, qwen_turbo.runtime.vae.executor
 assert not any(m == "comfy" or m.startswith("comfy.") for m in sys.modules), "imported comfy"
 assert not hasattr(pack, "comfy_entrypoint")
 assert (list(sys.path), threading.active_count()) == before, "import had side effects"

@@ -13,7 +13,8 @@ from torch import nn
 import nodes
 from qwen_turbo.nodes import vae_patches
 from qwen_turbo.nodes import vae_tiling as node
-from qwen_turbo.runtime import vae_tiling
+from qwen_turbo.runtime.vae import budget as vae_budget
+from qwen_turbo.runtime.vae import describe, executor, planner
 from tests import test_vae_tiling as decode_tests
 from tests.harness import models
 
@@ -60,9 +61,9 @@ def _encoder_input(vae, pixels):
 
 def _max_tiles(vae, pixels, tile_size, budget_gb):
     x = _encoder_input(vae, pixels)
-    ops = vae_tiling.encoder_ops(vae.first_stage_model, x)
+    ops = describe.encoder_ops(vae.first_stage_model, x)
     budget = int(budget_gb * 2**30) or 2**40
-    return vae_tiling.plan_tiles(ops, x.shape, vae.vae_dtype, budget, tile_size).max_tiles
+    return planner.plan_tiles(ops, x.shape, vae.vae_dtype, budget, tile_size).max_tiles
 
 
 def _fallbacks(caplog) -> list[str]:
@@ -112,10 +113,10 @@ def test_tile_borders_sit_on_the_downscale_grid(qwen_vae):
     """Every tile border of a downsampling chain, and its halo, is a multiple of the chain's
     downscale factor."""
     x = _encoder_input(qwen_vae, _pixels((1, 88, 152, 3), 3))
-    ops = vae_tiling.encoder_ops(qwen_vae.first_stage_model, x)
+    ops = describe.encoder_ops(qwen_vae.first_stage_model, x)
     for budget, first in [(2**22, Fraction(1, 4)), (2**21, Fraction(1, 8))]:
-        plan = vae_tiling.plan_tiles(ops, x.shape, torch.float32, budget, 20)
-        chains = [s for s in plan.steps if isinstance(s, vae_tiling.Chain)]
+        plan = planner.plan_tiles(ops, x.shape, torch.float32, budget, 20)
+        chains = [s for s in plan.steps if isinstance(s, planner.Chain)]
         assert chains[0].scale == first and len(chains[0].tiles) > 1
         for c in chains:
             step = c.scale.denominator
@@ -127,7 +128,7 @@ def test_batch_of_images_for_the_wan_vae_encodes_stock(qwen_vae, caplog):
     """The Wan VAE takes a batch of images as the frames of one video: not tiled."""
     px = _pixels((2, 32, 40, 3), 4)
     with pytest.raises(NotImplementedError, match="T != 1"):
-        vae_tiling.encoder_ops(qwen_vae.first_stage_model, _encoder_input(qwen_vae, px))
+        describe.encoder_ops(qwen_vae.first_stage_model, _encoder_input(qwen_vae, px))
     out = _tiled(qwen_vae, px, 16, tiled=False)
     _tiled(qwen_vae, px, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, px), rtol=0, atol=0)
@@ -140,7 +141,7 @@ def test_unrecognised_encoder_layer_encodes_stock(sd_vae, monkeypatch, caplog):
     monkeypatch.setitem(enc._modules, "conv_in", _Wrapped(enc.conv_in))
     px = _pixels((1, 40, 48, 3), 5)
     with pytest.raises(NotImplementedError, match="conv_in is a _Wrapped"):
-        vae_tiling.encoder_ops(sd_vae.first_stage_model, _encoder_input(sd_vae, px))
+        describe.encoder_ops(sd_vae.first_stage_model, _encoder_input(sd_vae, px))
     out = _tiled(sd_vae, px, 16, tiled=False)
     assert "conv_in is a _Wrapped" in _sent[-1]["fallback"]
     torch.testing.assert_close(out, _stock(sd_vae, px), rtol=0, atol=0)
@@ -154,7 +155,7 @@ def test_unrecognised_wan_downsample_encodes_stock(qwen_vae, monkeypatch, caplog
     monkeypatch.setattr(down, "mode", "downsample4x")  # a layer the ops do not describe
     px = _pixels((1, 32, 40, 3), 6)
     with pytest.raises(NotImplementedError, match="Encoder3d layer 2 Resample .downsample4x"):
-        vae_tiling.encoder_ops(qwen_vae.first_stage_model, _encoder_input(qwen_vae, px))
+        describe.encoder_ops(qwen_vae.first_stage_model, _encoder_input(qwen_vae, px))
     out = _tiled(qwen_vae, px, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, px), rtol=0, atol=0)
     assert len(_fallbacks(caplog)) == 1
@@ -169,7 +170,7 @@ def _raising(error):
 
 def test_encoder_failing_mid_run_falls_back_to_stock(qwen_vae, monkeypatch, caplog):
     error = TypeError("forward() missing 1 required positional argument: 'feat_cache'")
-    monkeypatch.setattr(vae_tiling, "execute", _raising(error))
+    monkeypatch.setattr(executor, "execute", _raising(error))
     px = _pixels((1, 32, 40, 3), 7)
     torch.testing.assert_close(_tiled(qwen_vae, px, 16, tiled=False), _stock(qwen_vae, px))
     (msg,) = _fallbacks(caplog)
@@ -226,10 +227,10 @@ def test_automatic_budget_asks_comfyui_for_room(qwen_vae, memory_requests, monke
     px = _pixels((1, 48, 56, 3), 11)
     _tiled(qwen_vae, px)
     stock = qwen_vae.memory_used_encode((1, 3, 1, 48, 56), qwen_vae.vae_dtype)
-    assert asked == [min(stock, node.AUTO_REQUEST)]
+    assert asked == [min(stock, vae_budget.AUTO_REQUEST)]
     assert planned == [free - mm.extra_reserved_memory()]
     big = torch.empty(1, 3, 1, 2512, 2512, device="meta")
-    assert node._request(qwen_vae, big, 0, "memory_used_encode") == node.AUTO_REQUEST
+    assert vae_budget.request(qwen_vae, big, 0, "memory_used_encode") == vae_budget.AUTO_REQUEST
 
 
 def test_set_budget_is_asked_for_and_again_after_out_of_memory(qwen_vae, memory_requests, oom_once):
@@ -241,9 +242,9 @@ def test_set_budget_is_asked_for_and_again_after_out_of_memory(qwen_vae, memory_
 def test_plan_for_2512px_qwen_stays_on_the_device_within_4_gib():
     """The planner's own accounting at full size; the GPU benchmark measures the real peak."""
     x = torch.empty((1, 3, 1, 2512, 2512), device="meta")
-    ops = vae_tiling.encoder_ops(models.qwen_vae_module(), x)
-    plan = vae_tiling.plan_tiles(ops, x.shape, torch.bfloat16, 4 * 2**30)
-    chains = [s for s in plan.steps if isinstance(s, vae_tiling.Chain)]
+    ops = describe.encoder_ops(models.qwen_vae_module(), x)
+    plan = planner.plan_tiles(ops, x.shape, torch.bfloat16, 4 * 2**30)
+    chains = [s for s in plan.steps if isinstance(s, planner.Chain)]
     assert chains[0].scale < 1 and len(chains[0].tiles) > 1  # the 2512-px stage is tiled
     assert all(c.store_on_device for c in chains)
 

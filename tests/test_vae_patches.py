@@ -16,7 +16,7 @@ from qwen_turbo.kernels.group_norm_silu import GroupNormSiLU
 from qwen_turbo.kernels.upsample_conv3x3 import UpsampleConv3x3
 from qwen_turbo.nodes import vae_patches as node
 from qwen_turbo.nodes.vae_tiling import VAEDecodeTiled
-from qwen_turbo.runtime import vae_patches
+from qwen_turbo.runtime.vae import patches as vae_patches
 
 TOL = 2 / 255
 
@@ -241,7 +241,7 @@ def test_unreadable_vae_is_returned_unpatched(qwen_vae, caplog):
 
     with caplog.at_level(logging.INFO):
         for _ in range(2):
-            out, n = node.patched_vae(qwen_vae, find)
+            out, n = vae_patches.patched_vae(qwen_vae, find)
     assert n == 0 and out is not qwen_vae and not out.patcher.object_patches
     (msg,) = [r.getMessage() for r in caplog.records if "returned unpatched" in r.getMessage()]
     assert "AttributeError" in msg
@@ -250,7 +250,7 @@ def test_unreadable_vae_is_returned_unpatched(qwen_vae, caplog):
 def test_skipped_modules_log_one_line_per_reason(qwen_vae, caplog):
     skipped = [(f"decoder.m{i}", "a reason") for i in range(5)] + [("decoder.x", "another")]
     with caplog.at_level(logging.INFO):
-        node.patched_vae(qwen_vae, lambda model, backups: ({}, skipped))
+        vae_patches.patched_vae(qwen_vae, lambda model, backups: ({}, skipped))
     lines = [r.getMessage() for r in caplog.records if "Qwen Turbo: left" in r.getMessage()]
     assert lines == [
         "Qwen Turbo: left 5 modules (decoder.m0, decoder.m1, decoder.m2, ...) as they are: "

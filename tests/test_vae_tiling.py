@@ -10,7 +10,8 @@ from torch import nn
 import qwen_turbo.runtime
 from qwen_turbo.nodes import report
 from qwen_turbo.nodes import vae_tiling as node
-from qwen_turbo.runtime import vae_tiling
+from qwen_turbo.runtime.vae import budget as vae_budget
+from qwen_turbo.runtime.vae import describe, executor, planner
 from tests.harness import models
 
 TOL = 2 / 255  # images in 0..1
@@ -54,9 +55,9 @@ def _stock(vae, latent):
 def _max_tiles(vae, latent, tile_size, budget_gb):
     if latent.ndim == 4 and vae.latent_dim == 3:
         latent = latent.unsqueeze(2)
-    ops = vae_tiling.decoder_ops(vae.first_stage_model, latent)
+    ops = describe.decoder_ops(vae.first_stage_model, latent)
     budget = int(budget_gb * 2**30) or 2**40
-    return vae_tiling.plan_tiles(ops, latent.shape, vae.vae_dtype, budget, tile_size).max_tiles
+    return planner.plan_tiles(ops, latent.shape, vae.vae_dtype, budget, tile_size).max_tiles
 
 
 @pytest.mark.slow
@@ -97,7 +98,7 @@ def test_autoencoder_kl_matches_untiled(sd_vae, tile, budget):
 def test_unsupported_latent_falls_back_to_stock_decode(qwen_vae, caplog):
     z = _latent((1, 16, 2, 6, 7), 3)  # two frames: not tiled, decoded by ComfyUI
     with pytest.raises(NotImplementedError, match="T != 1"):
-        vae_tiling.decoder_ops(qwen_vae.first_stage_model, z)
+        describe.decoder_ops(qwen_vae.first_stage_model, z)
     out = _tiled(qwen_vae, z, 16, tiled=False)
     _tiled(qwen_vae, z, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, z))
@@ -121,7 +122,7 @@ def test_unrecognised_autoencoder_kl_layer_decodes_stock(sd_vae, monkeypatch, ca
     monkeypatch.setitem(dec._modules, "conv_in", _Wrapped(dec.conv_in))
     z = _latent((1, 4, 5, 6), 7)
     with pytest.raises(NotImplementedError, match="conv_in is a _Wrapped"):
-        vae_tiling.decoder_ops(sd_vae.first_stage_model, z)
+        describe.decoder_ops(sd_vae.first_stage_model, z)
     for _ in range(2):
         out = _tiled(sd_vae, z, 16, tiled=False)
     torch.testing.assert_close(out, _stock(sd_vae, z))
@@ -134,7 +135,7 @@ def test_unrecognised_wan_block_layout_decodes_stock(qwen_vae, monkeypatch, capl
     monkeypatch.delattr(block, "in_dim")  # its forward does not read it; the ops do
     z = _latent((1, 16, 1, 5, 6), 8)
     with pytest.raises(NotImplementedError, match="Decoder3d layout .AttributeError"):
-        vae_tiling.decoder_ops(qwen_vae.first_stage_model, z)
+        describe.decoder_ops(qwen_vae.first_stage_model, z)
     torch.testing.assert_close(_tiled(qwen_vae, z, 16, tiled=False), _stock(qwen_vae, z))
     assert len(_fallbacks(caplog)) == 1
 
@@ -147,14 +148,14 @@ def test_wan_layer_needing_more_arguments_is_not_tiled(qwen_vae, monkeypatch):
 
     monkeypatch.setattr(up, "forward", forward)
     with pytest.raises(NotImplementedError, match="needs 'feat_cache'"):
-        vae_tiling.decoder_ops(qwen_vae.first_stage_model, _latent((1, 16, 1, 4, 4), 9))
+        describe.decoder_ops(qwen_vae.first_stage_model, _latent((1, 16, 1, 4, 4), 9))
 
 
 def test_decoder_failing_mid_decode_falls_back_to_stock(qwen_vae, monkeypatch, caplog):
     def execute(*a, **k):  # a module called in a way this host's does not take
         raise TypeError("forward() missing 1 required positional argument: 'feat_cache'")
 
-    monkeypatch.setattr(vae_tiling, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     z = _latent((1, 16, 1, 5, 6), 10)
     out = _tiled(qwen_vae, z, 16, tiled=False)
     torch.testing.assert_close(out, _stock(qwen_vae, z))
@@ -171,7 +172,7 @@ def test_other_errors_are_raised_not_hidden_by_a_fallback(qwen_vae, monkeypatch,
         calls.append(1)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(vae_tiling, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     with pytest.raises(RuntimeError, match="boom"):
         node.VAEDecodeTiled.execute({"samples": _latent((1, 16, 1, 5, 6), 15)}, qwen_vae, 16, 0)
     assert calls == [1] and not _fallbacks(caplog)
@@ -186,9 +187,9 @@ def test_a_latent_of_another_vae_is_named(qwen_vae):
 
 def test_a_vae_without_stock_estimates_asks_for_the_automatic_request():
     x = torch.empty(1, 16, 1, 314, 314)
-    assert node._request(object(), x, 0) == node.AUTO_REQUEST
-    assert node._request(object(), x, 0, "memory_used_encode") == node.AUTO_REQUEST
-    assert node._request(object(), x, 2**29) == 2**29
+    assert vae_budget.request(object(), x, 0) == vae_budget.AUTO_REQUEST
+    assert vae_budget.request(object(), x, 0, "memory_used_encode") == vae_budget.AUTO_REQUEST
+    assert vae_budget.request(object(), x, 2**29) == 2**29
 
 
 def test_latent_batch_norm_vae_matches_untiled():
@@ -207,7 +208,7 @@ def test_latent_batch_norm_vae_matches_untiled():
 @pytest.fixture
 def oom_once(monkeypatch):
     """The plans executed; the first runs out of memory (simulated), the others run."""
-    plans, real = [], vae_tiling.execute
+    plans, real = [], executor.execute
 
     def execute(plan, *a, **k):
         plans.append(plan)
@@ -215,7 +216,7 @@ def oom_once(monkeypatch):
             raise mm.OOM_EXCEPTION("simulated")
         return real(plan, *a, **k)
 
-    monkeypatch.setattr(vae_tiling, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     return plans
 
 
@@ -231,7 +232,7 @@ def test_out_of_memory_at_every_budget_names_the_fix(qwen_vae, monkeypatch):
     def execute(*a, **k):
         raise mm.OOM_EXCEPTION("simulated")
 
-    monkeypatch.setattr(vae_tiling, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     with pytest.raises(mm.OOM_EXCEPTION, match="unload other models"):  # the executor unloads
         _tiled(qwen_vae, _latent((1, 16, 1, 4, 4), 5))
 
@@ -251,10 +252,10 @@ def test_plan_for_2512px_qwen_stays_within_4_gib():
     """The planner's own accounting at full size; the GPU benchmark measures the real peak."""
     vae = models.qwen_vae_module()
     z = torch.empty((1, 16, 1, 314, 314), device="meta")
-    ops = vae_tiling.decoder_ops(vae, z)
+    ops = describe.decoder_ops(vae, z)
     budget = 4 * 2**30
-    plan = vae_tiling.plan_tiles(ops, z.shape, torch.bfloat16, budget)
-    chains = [s for s in plan.steps if isinstance(s, vae_tiling.Chain)]
+    plan = planner.plan_tiles(ops, z.shape, torch.bfloat16, budget)
+    chains = [s for s in plan.steps if isinstance(s, planner.Chain)]
     assert chains[-1].scale > 1 and len(chains[-1].tiles) > 1  # the 2512-px stages are tiled
     assert all(c.store_on_device for c in chains)
 
@@ -264,7 +265,7 @@ def memory_requests(monkeypatch):
     """What VAE Tiling asks ComfyUI's memory manager for (memory_required of each
     load_models_gpu call, in bytes), the real call still made; and the budgets planned."""
     asked, planned = [], []
-    load, plan = mm.load_models_gpu, vae_tiling.plan_tiles
+    load, plan = mm.load_models_gpu, planner.plan_tiles
 
     def load_models_gpu(models, memory_required=0, **kwargs):
         asked.append(memory_required)
@@ -275,7 +276,7 @@ def memory_requests(monkeypatch):
         return plan(ops, shape, dtype, budget, tile_size)
 
     monkeypatch.setattr(mm, "load_models_gpu", load_models_gpu)
-    monkeypatch.setattr(vae_tiling, "plan_tiles", plan_tiles)
+    monkeypatch.setattr(planner, "plan_tiles", plan_tiles)
     return asked, planned
 
 
@@ -291,12 +292,14 @@ def test_automatic_budget_asks_comfyui_for_room_then_uses_what_it_counts_free(
     z = _latent((1, 16, 1, 9, 10), 7)
     _tiled(qwen_vae, z)
     stock = qwen_vae.memory_used_decode(z.shape, qwen_vae.vae_dtype)
-    assert asked == [min(stock, node.AUTO_REQUEST)]
+    assert asked == [min(stock, vae_budget.AUTO_REQUEST)]
     assert planned == [free - mm.extra_reserved_memory()]
     # at 2512² stock's estimate is far larger: the request stays at AUTO_REQUEST
     big = qwen_vae.memory_used_decode((1, 16, 1, 314, 314), torch.bfloat16)
-    assert big > 4 * node.AUTO_REQUEST
-    assert node._request(qwen_vae, torch.empty(1, 16, 1, 314, 314), 0) == node.AUTO_REQUEST
+    assert big > 4 * vae_budget.AUTO_REQUEST
+    assert (
+        vae_budget.request(qwen_vae, torch.empty(1, 16, 1, 314, 314), 0) == vae_budget.AUTO_REQUEST
+    )
 
 
 def test_reserve_vram_shrinks_the_automatic_budget(qwen_vae, memory_requests, monkeypatch):
@@ -346,7 +349,7 @@ def test_cached_graphs_go_before_comfyui_is_asked_for_room(qwen_vae, monkeypatch
     cache.put("key", Graph(lambda: None, [], torch.zeros(1), 2**30))
     seen = []
     monkeypatch.setattr(mm, "load_models_gpu", lambda *a, **k: seen.append(len(cache.graphs)))
-    node._make_room(qwen_vae, 2**30)
+    vae_budget.make_room(qwen_vae, 2**30)
     assert seen == [1 if kept else 0]  # dropped before ComfyUI was asked
     assert bool(cache.graphs) == kept
     memory.release(model)
@@ -365,7 +368,7 @@ def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, mon
     model = nn.Linear(2, 2)
     cache = cache_for(model)
     cache.put("key", Graph(lambda: None, [], torch.zeros(1), 2**30))
-    graphs_at_run, real = [], vae_tiling.execute
+    graphs_at_run, real = [], executor.execute
 
     def execute(plan, *a, **k):
         graphs_at_run.append(len(cache.graphs))
@@ -373,7 +376,7 @@ def test_out_of_memory_drops_cached_graphs_whatever_comfyui_counts(qwen_vae, mon
             raise mm.OOM_EXCEPTION("simulated")
         return real(plan, *a, **k)
 
-    monkeypatch.setattr(vae_tiling, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     z = _latent((1, 16, 1, 9, 10), 12)
     out = _tiled(qwen_vae, z, 0, 1.0)
     assert graphs_at_run == [1, 0]

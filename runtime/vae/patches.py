@@ -6,18 +6,25 @@ so the walk sees the original modules even while a patched clone is loaded.
 
 The host's modules are recognised by class name, attributes and `forward` signatures, never
 by ComfyUI's version: a module whose layout or call is not the one a replacement reproduces
-is left alone, with the reason in the skipped list.
+is left alone, with the reason in the skipped list. `patched_vae` returns a clone of a VAE
+whose patcher carries one function's patches.
 """
 
+import copy
 import inspect
+import logging
 from collections.abc import Iterator
 
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.channel_rms_norm_silu import ChannelRMSNormSiLU
-from ..kernels.group_norm_silu import GroupNormSiLU
-from ..kernels.upsample_conv3x3 import UpsampleConv3x3
+from ...kernels import warmup
+from ...kernels.channel_rms_norm_silu import ChannelRMSNormSiLU
+from ...kernels.group_norm_silu import GroupNormSiLU
+from ...kernels.upsample_conv3x3 import UpsampleConv3x3
+from .. import log_once
+
+log = logging.getLogger(__name__)
 
 Patches = tuple[dict[str, nn.Module], list[tuple[str, str]]]
 
@@ -277,3 +284,51 @@ def fused_norm_patches(model: nn.Module, backups: dict | None = None) -> Patches
     norms, skipped = norm_patches(model, backups)
     convs, conv_skipped = causal_conv_patches(model, backups)
     return {**norms, **convs}, skipped + conv_skipped
+
+
+# what a VAE's structure can raise when it is not one this pack knows
+UNRECOGNISED = (AttributeError, TypeError, ValueError, IndexError, KeyError)
+
+
+def _log_skipped(skipped: list[tuple[str, str]]) -> None:
+    """One line per reason (once per process), naming the first few modules it applies to."""
+    by_reason: dict[str, list[str]] = {}
+    for path, why in skipped:
+        by_reason.setdefault(why, []).append(path)
+    for why, paths in by_reason.items():
+        names = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+        what = (
+            f"{names} as it is"
+            if len(paths) == 1
+            else f"{len(paths)} modules ({names}) as they are"
+        )
+        log_once(log, logging.INFO, f"Qwen Turbo: left {what}: {why}")
+
+
+def patched_vae(vae, find):
+    """A copy of `vae` with a cloned patcher carrying `find`'s object patches, and their count.
+
+    The input VAE and its patcher are left untouched; the patches apply while the clone is
+    loaded and are undone when it unloads. Modules `find` does not recognise stay as they
+    are, with the reason logged once; a VAE it cannot read at all is returned unpatched.
+    """
+    vae.throw_exception_if_invalid()
+    try:
+        patches, skipped = find(vae.first_stage_model, vae.patcher.object_patches_backup)
+    except UNRECOGNISED as e:
+        log_once(
+            log,
+            logging.WARNING,
+            f"Qwen Turbo: {find.__name__} does not recognise the VAE "
+            f"{type(vae.first_stage_model).__name__} ({type(e).__name__}: {e}); "
+            "it is returned unpatched",
+        )
+        patches, skipped = {}, []
+    _log_skipped(skipped)
+    if patches:
+        warmup.start(vae.device)  # compiles the kernels before the first decode
+    out = copy.copy(vae)
+    out.patcher = vae.patcher.clone()
+    for path, module in patches.items():
+        out.patcher.add_object_patch(path, module)
+    return out, len(patches)
