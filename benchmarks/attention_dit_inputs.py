@@ -29,8 +29,8 @@ def main():
     import torch
     import torch.nn.functional as F
 
+    from qwen_turbo.cli.bench import forward_fn, qwen_dit_state_dict
     from qwen_turbo.kernels.attention_fp8 import attention_fp8
-    from qwen_turbo.runtime.bench import forward_fn, qwen_dit_state_dict
     from qwen_turbo.runtime.dit import config, loader
     from qwen_turbo.runtime.dit.attention import attention_override
 

@@ -59,7 +59,7 @@ def write_models(root: Path, api: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
     from qwen_turbo.runtime.dit import config, convert
 
     names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
@@ -106,7 +106,7 @@ def prompts(workflow: Path) -> dict:
     encoding replaced (Edit's by QwenTurboTestEditConditioning, which still VAE-encodes the
     reference pictures)."""
     import nodes
-    from qwen_turbo.runtime.workflow import object_info, ui_to_api
+    from qwen_turbo.cli.workflow import object_info, ui_to_api
 
     api = ui_to_api(json.loads(workflow.read_text()), object_info(nodes.NODE_CLASS_MAPPINGS))
     pack = {}
@@ -391,8 +391,8 @@ def main():
     import comfy.model_management as mm
     import execution
 
+    from qwen_turbo.cli import headless
     from qwen_turbo.nodes import report
-    from qwen_turbo.runtime import headless
 
     variants = prompts(ROOT / "workflows" / f"{a.workflow}.json")
     if a.loader:

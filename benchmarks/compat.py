@@ -145,8 +145,8 @@ def run(a):
     import torch
 
     import nodes
+    from qwen_turbo.cli.bench import rel_l2
     from qwen_turbo.runtime import memory
-    from qwen_turbo.runtime.bench import rel_l2
     from qwen_turbo.runtime.graphs.sampling import sample_within_memory
     from tests.harness.compat_nodes import path_taken
 

@@ -72,7 +72,7 @@ def main():
     import comfy.model_management as mm
     import torch
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")

@@ -82,8 +82,9 @@ def run(a):
     import torch
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
+    from qwen_turbo.cli import bench
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
-    from qwen_turbo.runtime import bench, memory
+    from qwen_turbo.runtime import memory
     from qwen_turbo.runtime.dit import config
     from qwen_turbo.runtime.graphs.cache import cache_for
 

@@ -31,7 +31,7 @@ def main():
     import comfy.model_management as mm
     import torch
 
-    from qwen_turbo.runtime.bench import forward_fn, graph_timed, qwen_dit_state_dict, timed
+    from qwen_turbo.cli.bench import forward_fn, graph_timed, qwen_dit_state_dict, timed
 
     sd = qwen_dit_state_dict(a.layers, "cuda")
     rows = []

@@ -112,8 +112,9 @@ def main():
     import torch
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
+    from qwen_turbo.cli import bench
     from qwen_turbo.nodes.multigpu import MultiGPU
-    from qwen_turbo.runtime import bench, memory, multigpu
+    from qwen_turbo.runtime import memory, multigpu
 
     if torch.cuda.device_count() < a.gpus:
         sys.exit(f"This benchmark needs {a.gpus} CUDA GPUs; {torch.cuda.device_count()} found.")

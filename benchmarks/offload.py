@@ -33,7 +33,7 @@ def fp8_file_state_dict(layers: int) -> dict:
     """Random weights as the repackaged fp8 file holds them, on the host."""
     import torch
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     sd = bench.qwen_dit_state_dict(layers, "cuda")
     out = bench.repackaged_fp8(sd)
@@ -63,7 +63,7 @@ def measure(patcher, size: int, repeats: int) -> dict:
     import comfy.sampler_helpers
     import torch
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -107,7 +107,7 @@ def main():
     import comfy.model_management as mm
     import torch
 
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")

@@ -38,7 +38,7 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from qwen_turbo.runtime.bench import forward_fn, qwen_dit_state_dict
+    from qwen_turbo.cli.bench import forward_fn, qwen_dit_state_dict
 
     sd = qwen_dit_state_dict(a.layers, "cuda")
     result = {}

@@ -101,7 +101,7 @@ def main():
     import execution
     import torch
 
-    from qwen_turbo.runtime import headless
+    from qwen_turbo.cli import headless
 
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")

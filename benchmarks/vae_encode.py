@@ -65,8 +65,8 @@ def run(a):
     import torch
 
     import nodes
+    from qwen_turbo.cli.bench import rel_l2, timed
     from qwen_turbo.nodes.vae_patches import FusedNormPatch
-    from qwen_turbo.runtime.bench import rel_l2, timed
     from qwen_turbo.runtime.vae.tiled import encode
     from tests.harness import models
 

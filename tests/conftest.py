@@ -4,7 +4,6 @@ ComfyUI is found through COMFYUI_PATH, an ancestor folder, or ~/comfy/ComfyUI; w
 the run stops with an error, so that a green run always means the integration tests ran.
 """
 
-import importlib.util
 import os
 import sys
 
@@ -16,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.harness import pack
 from tests.harness.comfyui import HOW_TO_PROVIDE, ROOT, ComfyServer, find_comfyui
 
 COMFY = find_comfyui()
@@ -29,18 +29,7 @@ from comfy.cli_args import args  # noqa: E402
 args.cpu = True
 
 
-def _load_pack():
-    if "qwen_turbo" in sys.modules:  # this file runs again where a test imports tests.conftest
-        return
-    spec = importlib.util.spec_from_file_location(
-        "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qwen_turbo"] = module
-    spec.loader.exec_module(module)
-
-
-_load_pack()
+pack.load()
 
 KERNEL_TESTS = ROOT / "tests" / "kernels"
 

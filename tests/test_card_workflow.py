@@ -17,8 +17,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import nodes
+from qwen_turbo.cli import headless
 from qwen_turbo.nodes import NODES
-from qwen_turbo.runtime import headless
 from tests import testing_nodes
 from tests.harness import models
 from tests.harness.comfyui import ROOT
@@ -185,7 +185,7 @@ def test_edit_conditioning_encodes_what_the_host_node_encodes():
 def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
     """Edit-2509's file: every matrix fp8; Edit-2511's: fp8mixed with the marker key, read as
     index_timestep_zero; the LoRA on every block linear, written where only it is missing."""
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
     from qwen_turbo.runtime.dit import config, convert
 
     small = bench.qwen_dit_state_dict
@@ -221,7 +221,7 @@ def test_write_models_writes_the_files_the_workflows_name(comfy, monkeypatch):
 def test_random_models_have_every_weight_with_dynamic_vram(monkeypatch):
     """With dynamic VRAM on (v0.33's main.py), ComfyUI's Linear and Conv make their weights
     only when they load one; the random models the benchmarks write still have them all."""
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     memory = pytest.importorskip("comfy.memory_management", reason="no dynamic VRAM here")
     want = (bench.qwen_dit_state_dict(1, "cpu", **bench.NARROW).keys(),

@@ -11,8 +11,8 @@ import folder_paths
 import pytest
 
 import nodes
+from qwen_turbo.cli import headless
 from qwen_turbo.nodes import NODES
-from qwen_turbo.runtime import headless
 from tests.conftest import COMFY
 from tests.harness.comfyui import ROOT
 

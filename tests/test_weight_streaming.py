@@ -176,7 +176,7 @@ def test_streaming_full_width_on_gpu(lora):
     time (second forwards: the first pins or compiles). A LoRA on the host's layers, applied
     per call and requantized for the fp8 GEMM, lands as close to the loaded model's as the
     loaded model's own requantization allows."""
-    from qwen_turbo.runtime import bench
+    from qwen_turbo.cli import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
     cuda = torch.device("cuda")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_turbo.runtime.workflow import ui_to_api
+from qwen_turbo.cli.workflow import ui_to_api
 from tests.harness import models
 from tests.harness.comfyui import ROOT
 

@@ -10,9 +10,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from runtime.comfy_home import HOW_TO_PROVIDE, find_comfyui  # noqa: F401  (the pack's own lookup)
+from qwen_turbo.cli.comfy_home import HOW_TO_PROVIDE, find_comfyui  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
+from .pack import ROOT
 
 
 def _error_text(entry: dict) -> str:

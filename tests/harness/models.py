@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime import bench
-from runtime.bench import random_state_dict
+from qwen_turbo.cli import bench
+from qwen_turbo.cli.bench import random_state_dict
 
 VERSION = 1  # bump when a recipe changes
 

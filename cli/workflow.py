@@ -1,6 +1,9 @@
 """UI-format workflow JSON -> API-format prompt, using /object_info (or the same built from
 the loaded node classes). Pure Python."""
 
+import json
+from pathlib import Path
+
 SEED_NAMES = ("seed", "noise_seed")
 VIRTUAL = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -61,3 +64,26 @@ def object_info(node_classes: dict) -> dict:
         spec = cls.INPUT_TYPES()
         info[name] = {"input": spec, "input_order": {k: list(v) for k, v in spec.items()}}
     return info
+
+
+def workflow_problem(path: Path) -> str | None:
+    """Why `path` cannot be run as a workflow (one line), or None when it is UI-format JSON."""
+    if not path.is_file():
+        return "no such file" if not path.exists() else "not a file"
+    try:
+        ui = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return "not JSON (a binary file); a workflow is ComfyUI's UI-format .json"
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+    except OSError as e:
+        return e.strerror
+    if (
+        isinstance(ui, dict)
+        and ui
+        and all(isinstance(n, dict) and "class_type" in n for n in ui.values())
+    ):
+        return "an API-format prompt; run takes the UI format (Workflow -> Save, not Export (API))"
+    if not isinstance(ui, dict) or not isinstance(ui.get("nodes"), list):
+        return 'JSON, but not a ComfyUI workflow (no "nodes" list)'
+    return None
