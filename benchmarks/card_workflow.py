@@ -7,23 +7,27 @@ it. Random full-size weights are written as the files the workflow names, the Di
 of Comfy-Org's repackaged `qwen_image_2512_fp8_e4m3fn.safetensors` (every matrix in
 float8_e4m3fn, vectors in bf16), or for Edit-2511 of its `fp8mixed` file (block matrices in fp8
 with a scale each, the rest bf16, the `__index_timestep_zero__` marker); the LoRA is random at
-rank 64 on every linear of the blocks. The text encoder is replaced by seeded random
-conditioning (tests/testing_nodes), 256 tokens; for Edit, 256 (64 for the empty negative) plus
-196 vision tokens per picture, and the reference latents VAE-encoded inside that node as
-TextEncodeQwenImageEditPlus does (each picture at about 1024²). LoadImage reads a random
-2048x1536 PNG written into the input folder.
+rank 64 on every linear of the blocks. The text encoder is ComfyUI's, on random weights in the
+layout of Comfy-Org's `qwen_2.5_vl_7b_fp8_scaled.safetensors` (`--text-encoder test`: seeded
+random conditioning from tests/testing_nodes instead, 256 tokens; for Edit, 256 (64 for the
+empty negative) plus 196 vision tokens per picture, the reference latents VAE-encoded inside
+that node as TextEncodeQwenImageEditPlus does). LoadImage reads a random 2048x1536 PNG written
+into the input folder. `--ram N` leaves N GiB of host RAM available (a ballast process holds
+the rest), as the card is simulated by filling the GPU.
 
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
 UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches. "pack+VAEDecode"
-(on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling. Each runs twice:
-the first run with nothing loaded or captured (the file in the OS cache), then a second with a
-new sampler seed (the conditioning and encodes cached, as in ComfyUI).
-Prints a table and JSON on the last line.
+(on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling. Each runs
+first with nothing loaded or captured (the files in the OS cache), then with a new sampler seed
+(the conditioning and encodes cached, as in ComfyUI), then (`--new-prompts`) with a new prompt.
+Each row gives the host memory: resident size at its peak, anonymous (not file-backed) at the
+end, and page-locked. Prints a table and JSON on the last line.
 
     COMFYUI_PATH=~/comfy/ComfyUI-v0.33 python benchmarks/card_workflow.py --cards 24 16
     ... --workflow qwen_image_edit_2511_2512px --cards 24 0
     ... --cards 0 --batch 1 2 4 --size 1328   (peaks per batch against ComfyUI's estimate)
     ... --workflow qwen_image_2512_hires_2512px --cards 24 16 12 --steps 4   (completion, peaks)
+    ... --dynamic-vram --cards 24 --ram 32 --new-prompts 1 --variants pack   (one process each)
 """
 
 import argparse
@@ -81,11 +85,40 @@ def write_models(root: Path, api: dict) -> None:
             dit.parent.mkdir(parents=True, exist_ok=True)
             save_file({k: t.cpu() for k, t in sd.items()}, str(dit))
         del sd
+    if "clip_name" in names and not (te := root / "text_encoders" / names["clip_name"]).exists():
+        write_text_encoder(te)
     vae = root / "vae" / names["vae_name"]
     if not vae.exists():
         vae.parent.mkdir(parents=True, exist_ok=True)
         save_file(bench.random_state_dict(bench.qwen_vae_module(), seed=0), str(vae))
     torch.cuda.empty_cache()
+
+
+def write_text_encoder(path: Path) -> None:
+    """Random weights in the layout of Comfy-Org's `qwen_2.5_vl_7b_fp8_scaled.safetensors`:
+    ComfyUI's Qwen2.5-VL 7B, the language model's matrices (not its embedding) in float8_e4m3fn
+    with a float32 `scale_weight` each, the vision tower and the rest in bf16, and the
+    `scaled_fp8` marker by which both hosts read the format."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+    import torch
+    from safetensors.torch import save_file
+
+    module = llama.Qwen25_7BVLI({}, torch.bfloat16, "meta", comfy.ops.disable_weight_init)
+    gen = torch.Generator("cuda").manual_seed(7)
+    sd = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for k, p in module.state_dict().items():
+        if p.ndim == 1 and ("norm" in k or ".ln_" in k):  # RMSNorm gains
+            sd[k] = torch.ones(p.shape, dtype=torch.bfloat16)
+            continue
+        t = torch.randn(p.shape, generator=gen, device="cuda")
+        if p.ndim == 2 and "embed_tokens" not in k and not k.startswith("visual."):
+            sd[k] = t.to(torch.float8_e4m3fn).cpu()
+            sd[k[: -len("weight")] + "scale_weight"] = torch.tensor(0.02)
+        else:
+            sd[k] = (t * 0.02).to(torch.bfloat16).cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
 
 
 def write_pictures(folder: Path, api: dict) -> None:
@@ -101,16 +134,19 @@ def write_pictures(folder: Path, api: dict) -> None:
             Image.fromarray(pixels).save(path)
 
 
-def prompts(workflow: Path) -> dict:
-    """{"pack": api, "stock": api, "pack+VAEDecode": api} for a bundled workflow, text
-    encoding replaced (Edit's by QwenTurboTestEditConditioning, which still VAE-encodes the
-    reference pictures)."""
+def prompts(workflow: Path, text_encoder: bool = False) -> dict:
+    """{"pack": api, "stock": api, "pack+VAEDecode": api} for a bundled workflow. Without
+    `text_encoder` the text encoding is replaced by seeded conditioning (Edit's by
+    QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
     import nodes
     from qwen_turbo.cli.workflow import object_info, ui_to_api
 
     api = ui_to_api(json.loads(workflow.read_text()), object_info(nodes.NODE_CLASS_MAPPINGS))
     pack = {}
     for node_id, node in api.items():
+        if text_encoder:
+            pack[node_id] = node
+            continue
         if node["class_type"] == "CLIPLoader":
             continue
         if node["class_type"] == "CLIPTextEncode":
@@ -166,7 +202,7 @@ class Recorder:
 
     def __init__(self):
         self.times, self.peaks, self.error, self._node, self._t0 = {}, {}, None, None, 0.0
-        self.badges = {}
+        self.badges, self.rss = {}, {}
 
     def badge(self, node_id, data: dict) -> None:
         self.badges[node_id] = data
@@ -181,6 +217,7 @@ class Recorder:
                 peak, held = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
                 if peak >= self.peaks.get(self._node, (0, 0))[0]:
                     self.peaks[self._node] = peak, held
+            self.rss[self._node] = host_memory()["rss"]
             self._node = None
         if event == "executing":
             self._node, self._t0 = data.get("node"), now
@@ -245,10 +282,11 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     for node in api.values():
         if "seed" in node["inputs"] and "steps" in node["inputs"]:  # samplers, not conds
             node["inputs"]["seed"] = seed
-    server.times, server.peaks, server.error, server.badges = {}, {}, None, {}
+    server.times, server.peaks, server.error, server.badges, server.rss = {}, {}, None, {}, {}
     if cuda:
         torch.cuda.synchronize()
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    reset_host_peak()
     t0 = time.perf_counter()
     outputs = [k for k, n in api.items() if n["class_type"] in SAVES]
     executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
@@ -270,12 +308,71 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         # per kind of node: [the most allocated during it, above the filler; that peak less
         # what stayed allocated after it (a sampler's activations, its model staying loaded)]
         "node_peak_gib": peaks,
+        "host_gib": host_memory(),  # at the end of the run; "peak" over the run
+        # per kind of node: the resident size when it finished
+        "node_rss_gib": {api[k]["class_type"]: v for k, v in server.rss.items()},
         # the CUDA Graph Sampler's badge: captured, replayed, eager and why
         "graphs": [b["graphs"] for b in server.badges.values() if "graphs" in b],
         # the allocator freed its cache and retried (synchronizing): memory ran short
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         if cuda else None,
     }  # fmt: skip
+
+
+def host_memory() -> dict:
+    """This process's host memory, GiB: resident (file-backed and anonymous), its peak since
+    `reset_host_peak`, and page-locked memory (ComfyUI's registrations and torch's pinned
+    allocations)."""
+    import comfy.model_management as mm
+    import torch
+
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    pinned = getattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        pinned += torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    return {"rss": round(kib["VmRSS"] / 2**20, 2), "peak": round(kib["VmHWM"] / 2**20, 2),
+            "anon": round(kib["RssAnon"] / 2**20, 2), "file": round(kib["RssFile"] / 2**20, 2),
+            "pinned": round(pinned / GiB, 2)}  # fmt: skip
+
+
+def reset_host_peak() -> None:
+    """Start the peak resident size (VmHWM) afresh (Linux's clear_refs)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def hold_ram(available_gib: float):
+    """A process holding (touching) all the host's available memory but `available_gib`, as a
+    smaller machine would have; None where less is available. Kill it to give it back."""
+    import subprocess
+
+    import psutil
+
+    extra = psutil.virtual_memory().available - int(available_gib * GiB)
+    if extra <= 0:
+        return None
+    code = ("import sys, numpy as np; a = np.empty(int(sys.argv[1]), np.uint8); "
+            "a[::4096] = 1; print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code, str(extra)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held", "the RAM ballast did not start"
+    return proc
+
+
+def new_prompt(api: dict, n: int) -> None:
+    """Each sampler's positive prompt changed (the n-th variation): its text, or the seed of the
+    test conditioning that stands in for the text encoder."""
+    for node in api.values():
+        positive = node["inputs"].get("positive")
+        if "steps" not in node["inputs"] or not isinstance(positive, list):
+            continue
+        inputs = api[positive[0]]["inputs"]
+        for key in ("text", "prompt"):
+            if key in inputs:
+                inputs[key] = f"{inputs[key].split(' | ')[0]} | variation {n}"
+        if "tokens" in inputs:
+            inputs["seed"] = 1000 * n + int(positive[0])
 
 
 def fill_to(free_gib: float):
@@ -346,7 +443,7 @@ def start(models: Path, dynamic_vram: bool = False) -> bool:
     folder_paths.set_output_directory("/tmp/qwen-turbo-out")
     (models / "input").mkdir(parents=True, exist_ok=True)  # LoadImage lists it
     folder_paths.set_input_directory(str(models / "input"))
-    for kind in ("diffusion_models", "vae", "loras"):
+    for kind in ("diffusion_models", "vae", "loras", "text_encoders"):
         folder_paths.folder_names_and_paths[kind] = ([str(models / kind)], {".safetensors"})
     folder_paths.filename_list_cache.clear()
     return bool(dynamic)
@@ -376,6 +473,16 @@ def main():
     p.add_argument("--capture", help="the CUDA Graph Sampler's capture mode in the pack variant")
     p.add_argument("--budget", type=float, help="VAE Tiling's vram_budget_gb in the pack variant")
     p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
+    p.add_argument("--new-prompts", type=int, default=0, help="then runs with a new prompt")
+    p.add_argument(
+        "--text-encoder", choices=["real", "test"], default="real",
+        help="real: CLIPLoader and the text encode nodes on random full-size Qwen2.5-VL 7B "
+             "weights; test: seeded conditioning in their place",
+    )  # fmt: skip
+    p.add_argument(
+        "--ram", type=float,
+        help="GiB of host RAM left available (a ballast process holds the rest)",
+    )  # fmt: skip
     p.add_argument(
         "--steps", type=int,
         help="every sampler's steps, in both variants (memory per step is unchanged; times "
@@ -394,7 +501,7 @@ def main():
     from qwen_turbo.cli import headless
     from qwen_turbo.nodes import report
 
-    variants = prompts(ROOT / "workflows" / f"{a.workflow}.json")
+    variants = prompts(ROOT / "workflows" / f"{a.workflow}.json", a.text_encoder == "real")
     if a.loader:
         dtype, attention, fused = a.loader
         for node in variants["pack"].values():
@@ -414,8 +521,13 @@ def main():
 
     from qwen_turbo.kernels import warmup
 
-    with warmup.record() if a.record_kernels else contextlib.nullcontext([]) as launched:
-        rows = run_cards(a, variants, models, mm, execution, report, headless)
+    ballast = hold_ram(a.ram) if a.ram else None
+    try:
+        with warmup.record() if a.record_kernels else contextlib.nullcontext([]) as launched:
+            rows = run_cards(a, variants, models, mm, execution, report, headless)
+    finally:
+        if ballast is not None:
+            ballast.kill()
     if a.record_kernels:
         total = warmup.save(launched, Path(a.record_kernels))
         print(f"{len(launched)} kernel launches recorded; {a.record_kernels} lists {total}")
@@ -437,13 +549,16 @@ def run_cards(a, variants, models, mm, execution, report, headless) -> list[dict
             executor = headless._executor(execution, server)
             for b, batch in enumerate(a.batch):
                 set_latent(variants[variant], batch, a.size)
-                for i, seed in enumerate(range(1, a.runs + 1)):
-                    r = run_once(executor, server, variants[variant], seed, filler_bytes)
-                    run = "first" if b == i == 0 else "later"
+                kinds = ["seed"] * a.runs + ["prompt"] * a.new_prompts
+                for i, kind in enumerate(kinds):
+                    if kind == "prompt":
+                        new_prompt(variants[variant], i)
+                    r = run_once(executor, server, variants[variant], i + 1, filler_bytes)
+                    run = "first" if b == i == 0 else f"new {kind}"
                     estimate = comfy_estimate_gib(variants[variant])
                     rows.append({"card_gib": card or None, "free_gib": round(free, 1),
-                                 "variant": variant, "batch": batch, "run": run, **r,
-                                 "comfy_estimate_gib": estimate})  # fmt: skip
+                                 "ram_gib": a.ram, "variant": variant, "batch": batch,
+                                 "run": run, **r, "comfy_estimate_gib": estimate})  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
             del executor, server
             mm.unload_all_models()
@@ -463,12 +578,14 @@ def print_rows(rows: list[dict], dynamic: bool, workflow: str) -> None:
     version = getattr(comfyui_version, "__version__", "?")
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, ComfyUI {version}"
           f"{', dynamic VRAM' if dynamic else ''}, {workflow}")  # fmt: skip
-    print(f"{'card':>6} {'variant':7} {'batch':>5} {'run':6} {'ok':3} {'total s':>8} "
-          f"{'peak GiB':>8}  nodes")  # fmt: skip
+    print(f"{'card':>6} {'RAM':>5} {'variant':7} {'batch':>5} {'run':10} {'ok':3} {'total s':>8} "
+          f"{'peak GiB':>8} {'RSS peak':>8} {'anon':>6} {'pinned':>6}  nodes")  # fmt: skip
     for r in rows:
         slow = ", ".join(f"{k} {v}" for k, v in sorted(r["nodes"].items(), key=lambda x: -x[1])[:3])
-        print(f"{r['card_gib'] or 'whole':>6} {r['variant']:7} {r['batch']:5} {r['run']:6} "
-              f"{'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} {r['peak_gib'] or 0:8.2f}  "
+        h = r["host_gib"]
+        print(f"{r['card_gib'] or 'whole':>6} {r['ram_gib'] or 'all':>5} {r['variant']:7} "
+              f"{r['batch']:5} {r['run']:10} {'yes' if r['ok'] else 'NO':3} {r['seconds']:8.2f} "
+              f"{r['peak_gib'] or 0:8.2f} {h['peak']:8.2f} {h['anon']:6.2f} {h['pinned']:6.2f}  "
               f"{slow}" + (f"  ERROR {r['error']}" if r["error"] else ""))  # fmt: skip
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "comfyui": version, "dynamic_vram": dynamic, "workflow": workflow,
