@@ -104,7 +104,10 @@ def write_text_encoder(path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    module = llama.Qwen25_7BVLI({}, torch.bfloat16, "meta", comfy.ops.disable_weight_init)
+    from qwen_turbo.cli import bench
+
+    with bench.weights_at_construction():
+        module = llama.Qwen25_7BVLI({}, torch.bfloat16, "meta", comfy.ops.disable_weight_init)
     gen = torch.Generator("cuda").manual_seed(7)
     sd = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
     for k, p in module.state_dict().items():
