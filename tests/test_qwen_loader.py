@@ -490,6 +490,31 @@ def test_pinned_weights_leave_the_dynamic_vram_file_mapping(monkeypatch, narrow_
     assert (comfy.utils.get_attr(patcher.model, other).data_ptr() in mapped) is dynamic_vram
 
 
+def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_sd):
+    """With dynamic VRAM, where ComfyUI takes weights off the GPU to make room for another
+    model (a text encoder on a new prompt), a weight in comfy-aimdo's file mapping goes back
+    there as it is: not copied to be pinned (twice the RAM), not pinned."""
+    memory = pytest.importorskip("comfy.memory_management")
+    if not hasattr(comfy.model_patcher.ModelPatcher, "pin_weight_to_device"):
+        pytest.skip("this ComfyUI pins no weights")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    pinned = []
+    monkeypatch.setattr(mm, "pin_memory", lambda t: pinned.append(t.data_ptr()) or True)
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    mapped = set(patcher.model.qwen_turbo.mapped)
+    assert mapped
+    patcher.load(torch.device("cpu"), full_load=True)
+    patcher.partially_unload(torch.device("cpu"), memory_to_free=1 << 40)
+    now = {p.data_ptr() for p in patcher.model.parameters()}
+    assert mapped <= now  # every mapped weight is still the mapping's tensor
+    assert not mapped & set(pinned)
+    assert patcher.model.qwen_turbo.mapped == mapped
+    # a load that leaves a weight offloaded still pins a copy of it
+    key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
+    patcher.pin_weight_to_device(key)
+    assert comfy.utils.get_attr(patcher.model, key).data_ptr() not in mapped
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left

@@ -65,6 +65,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
     # mapping (`streaming.file_backed`)
     _uploader: streaming.Uploader | None = None
     _backed = frozenset()
+    _unloading = False  # inside partially_unload
 
     def load(self, device_to=None, *args, **kwargs):
         self._uploader = None
@@ -122,7 +123,15 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         """ComfyUI's, after this model's cached CUDA graphs are dropped: ComfyUI asks a model
         for room this way, the graphs point at weights about to move, and ComfyUI cannot see
         them. What their release adds to ComfyUI's free count (it already counts their
-        pools' unused memory) is taken off what the weights must free."""
+        pools' unused memory) is taken off what the weights must free. Weights that go back
+        to their file mapping stay there unpinned (`pin_weight_to_device`)."""
+        self._unloading = True
+        try:
+            return self._partially_unload(device_to, memory_to_free, *args, **kwargs)
+        finally:
+            self._unloading = False
+
+    def _partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         before = mm.get_free_memory(self.load_device)
         if not memory.drop(self.model):
             return super().partially_unload(device_to, memory_to_free, *args, **kwargs)
@@ -137,9 +146,16 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         )
 
     def pin_weight_to_device(self, key):
+        """ComfyUI's. A weight in comfy-aimdo's file mapping is pinned as a copy (the driver
+        cannot page-lock the mapping) where a load leaves it offloaded; where ComfyUI makes
+        room for another model (a text encoder on a new prompt) it stays in the mapping,
+        unpinned: a copy would hold it twice in RAM, and the model's next load takes it to
+        the GPU through the uploader's page-locked buffers."""
         mapped = self.model.qwen_turbo.mapped
         weight = comfy.utils.get_attr(self.model, key) if mapped else None
         if weight is not None and weight.data_ptr() in mapped:
+            if self._unloading:
+                return
             mapped.discard(weight.data_ptr())
             comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
         super().pin_weight_to_device(key)
