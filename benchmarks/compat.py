@@ -126,7 +126,7 @@ def base_model(a):
     from tests.harness import models
 
     if a.tiny:  # as tests/test_graph_compat.py builds it
-        from tests.test_cuda_graph_sampler import TracedGraphs
+        from tests.harness.graphs import TracedGraphs
 
         loaded = loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
         return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], TracedGraphs

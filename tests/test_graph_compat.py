@@ -32,7 +32,7 @@ from tests.harness.compat_nodes import (
     node_class,
     path_taken,
 )
-from tests.test_cuda_graph_sampler import TracedGraphs, _cached
+from tests.harness.graphs import TracedGraphs, cached
 
 STEPS, CFG = 6, 2.5
 TEXT = models.NARROW["joint_attention_dim"]
@@ -80,9 +80,9 @@ CASES = {
     "LoraLoaderModelOnly": (_lora, CALL, WHOLE),
     "ModelSamplingAuraFlow": (None, CALL, WHOLE),
     "CFGNorm": (lambda m: apply_node("nodes_cfg", "CFGNorm", m, strength=0.5), CALL, CALL),
-    "EasyCache": (lambda m: _cached(node_class("nodes_easycache", "EasyCacheNode"), m),
+    "EasyCache": (lambda m: cached(node_class("nodes_easycache", "EasyCacheNode"), m),
                   INNER, INNER),
-    "LazyCache": (lambda m: _cached(node_class("nodes_easycache", "LazyCacheNode"), m),
+    "LazyCache": (lambda m: cached(node_class("nodes_easycache", "LazyCacheNode"), m),
                   CALL, WHOLE),
     "TorchCompileModel": (_compiled, CALL, WHOLE),
     "SkipLayerGuidanceDiT": (
