@@ -5,7 +5,6 @@ the run stops with an error, so that a green run always means the integration te
 """
 
 import os
-import sys
 
 import pytest
 import torch
@@ -15,21 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.harness import pack
-from tests.harness.comfyui import HOW_TO_PROVIDE, ROOT, ComfyServer, find_comfyui
+from tests.harness.comfyui import COMFY, HOW_TO_PROVIDE, ROOT, ComfyServer, setup_comfy
 
-COMFY = find_comfyui()
 if COMFY is None:
     raise pytest.UsageError(HOW_TO_PROVIDE)
-
-# In-process ComfyUI, CPU only, as `main.py --cpu` would set it up.
-sys.path.insert(0, str(COMFY))
-from comfy.cli_args import args  # noqa: E402
-
-args.cpu = True
-
-
-pack.load()
+setup_comfy(cpu=True)  # in-process ComfyUI, CPU only, as `main.py --cpu` would set it up
 
 KERNEL_TESTS = ROOT / "tests" / "kernels"
 

@@ -4,8 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import COMFY
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 LOAD = f"""
 import importlib.util, sys, threading
@@ -66,6 +65,6 @@ print(",".join(ids))
 def test_the_pack_is_imported_once_as_qwen_turbo():
     """The suite's own imports load the pack only as `qwen_turbo`: a second copy (`runtime`,
     `kernels`, `cli` as top-level packages) would keep its own log-once set and registries."""
-    loaded = {name.split(".")[0] for name in sys.modules}
-    assert not loaded & {"runtime", "kernels", "cli"}, sorted(loaded & {"runtime", "kernels", "cli"})
+    stray = {name.split(".")[0] for name in sys.modules} & {"runtime", "kernels", "cli"}
+    assert not stray, sorted(stray)
     assert sys.modules["qwen_turbo.runtime"].__file__.startswith(str(ROOT))

@@ -36,9 +36,8 @@ from qwen_turbo.nodes.multigpu import MultiGPU
 from qwen_turbo.runtime import multigpu
 from qwen_turbo.runtime.dit import attention, files, loader
 from qwen_turbo.runtime.multigpu import wire
-from tests.conftest import COMFY
 from tests.harness import models
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 STEPS = 3
 TEXT = models.NARROW["joint_attention_dim"]
