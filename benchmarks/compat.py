@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from sampler import CAPTURE, build_model, with_caching_node  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 COMPILE_TOLERANCE = 1e-3  # TorchCompileModel: inductor may order the sums otherwise
 
