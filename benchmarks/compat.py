@@ -123,15 +123,13 @@ def base_model(a):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.runtime import host
-    from qwen_turbo.runtime.dit import files, loader
     from qwen_turbo.runtime.graphs.capture import CudaGraphs
     from tests.harness import models
 
     if a.tiny:  # as tests/test_graph_compat.py builds it
         from tests.harness.graphs import TracedGraphs
 
-        loaded = loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
-        return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], TracedGraphs
+        return ModelSamplingAuraFlow().patch_aura(models.load_narrow_dit(), 3.1)[0], TracedGraphs
     import torch
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --tiny)"

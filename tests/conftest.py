@@ -49,6 +49,32 @@ def sd_vae():
     return sd_vae()
 
 
+@pytest.fixture(scope="module")
+def narrow_sd():
+    """The state dict of the narrow 2-block DiT (4 heads of 32, text width 64)."""
+    from safetensors.torch import load_file
+
+    from tests.harness.models import qwen_dit_narrow_file
+
+    return load_file(str(qwen_dit_narrow_file()))
+
+
+@pytest.fixture(scope="module")
+def narrow_loaded():
+    """The narrow DiT as a plain ModelPatcher (tests/harness/models.py: load_narrow_dit)."""
+    from tests.harness.models import load_narrow_dit
+
+    return load_narrow_dit()
+
+
+@pytest.fixture(scope="module")
+def narrow_dit(narrow_loaded):
+    """Loader → ModelSamplingAuraFlow, as in the bundled workflows."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+
+    return ModelSamplingAuraFlow().patch_aura(narrow_loaded, 3.1)[0]
+
+
 @pytest.fixture
 def sent(monkeypatch):
     """The data the pack's nodes send to their frontend badges, in order."""
