@@ -15,8 +15,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vae_decode import setup_comfy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 
 def main():

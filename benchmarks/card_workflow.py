@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vae_decode import ROOT, setup_comfy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness.comfyui import ROOT, setup_comfy  # noqa: E402
 
 GiB = 2**30
 STOCK = {

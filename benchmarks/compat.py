@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from sampler import CAPTURE, build_model, with_caching_node  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 COMPILE_TOLERANCE = 1e-3  # TorchCompileModel: inductor may order the sums otherwise
 
@@ -121,15 +123,13 @@ def base_model(a):
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
     from qwen_turbo.runtime import host
-    from qwen_turbo.runtime.dit import files, loader
     from qwen_turbo.runtime.graphs.capture import CudaGraphs
     from tests.harness import models
 
     if a.tiny:  # as tests/test_graph_compat.py builds it
-        from tests.test_cuda_graph_sampler import TracedGraphs
+        from tests.harness.graphs import TracedGraphs
 
-        loaded = loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
-        return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], TracedGraphs
+        return ModelSamplingAuraFlow().patch_aura(models.load_narrow_dit(), 3.1)[0], TracedGraphs
     import torch
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --tiny)"

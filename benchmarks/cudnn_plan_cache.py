@@ -12,12 +12,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vae_decode import load_pack  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness import pack  # noqa: E402
 
 
 def main():
-    load_pack()
+    pack.load()
     import cudnn
 
     from qwen_turbo.kernels import attention_fp8

@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from sampler import random_lora  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 # name: (loader, weight_dtype, attention, fused, compile)
 VARIANTS = {

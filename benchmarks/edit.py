@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from dit_forward import VARIANTS, load  # noqa: E402
 from sampler import CAPTURE  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 # (height, width) in pixels of each reference picture, as TextEncodeQwenImageEditPlus scales
 # it: about 1 MP, multiples of 8

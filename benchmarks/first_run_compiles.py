@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 import card_workflow  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-from vae_decode import load_pack  # noqa: E402
+
+from tests.harness import pack  # noqa: E402
 
 compiles, plans, specs = [], [], []
 spans = []  # (name, on the main thread, start, seconds)
@@ -138,7 +140,7 @@ def report():
 def main():
     JITFunction._do_compile = _timed_compile
     atexit.register(report)
-    load_pack()
+    pack.load()
     import qwen_turbo.kernels.attention_fp8 as af
 
     build = af._Plan.__init__

@@ -33,8 +33,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vae_decode import load_pack  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness import pack  # noqa: E402
 
 GiB = 2**30
 MADV_POPULATE_READ = 22  # Linux 5.14
@@ -137,7 +137,7 @@ def run(path: Path, variant: str) -> dict:
 def main():
     import torch
 
-    load_pack()
+    pack.load()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=19)
     p.add_argument("--path", default="/tmp/qwen-turbo-models/mapped_load.bin")

@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from dit_forward import VARIANTS, load  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 # "fp32 fused sdpa": ComfyUI's float32 (--force-fp32), where a split should change the
 # result by float32 rounding only (bf16 changes with the batch size the GEMMs see)

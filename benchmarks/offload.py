@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from card_workflow import fill_to  # noqa: E402
-from vae_decode import setup_comfy  # noqa: E402
+
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 GiB = 2**30
 VARIANTS = ["stock", "pack", "pack, no streaming"]

@@ -12,11 +12,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
-from vae_decode import load_pack  # noqa: E402
+
+from tests.harness import pack  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 specs = pickle.loads(Path(sys.argv[1]).read_bytes())
@@ -31,7 +32,7 @@ def one(i: int) -> float:
 
 
 def main():
-    load_pack()
+    pack.load()
     mode, n = sys.argv[2], int(sys.argv[3])  # serial | threads | procs, and how many
     t = time.perf_counter()
     if mode == "serial":

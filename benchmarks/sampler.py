@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vae_decode import setup_comfy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 CAPTURE = ["model forward", "whole CFG step", "off"]
 LUMINA2 = dict(

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vae_decode import setup_comfy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 
 def picture(kind: str, size: int) -> torch.Tensor:

@@ -26,8 +26,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 from card_workflow import GiB, Recorder, fill_to, prompts, run_once, start, write_models  # noqa: E402
-from vae_decode import ROOT  # noqa: E402
+
+from tests.harness.comfyui import ROOT  # noqa: E402
 
 WORKFLOW = "qwen_image_2512_turbo_2512px"
 SIZES = [(1328, 1328), (1664, 928), (2512, 2512)]  # (width, height)

@@ -13,37 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.harness.comfyui import HOW_TO_PROVIDE, find_comfyui  # noqa: E402
-
-
-def setup_comfy(**flags):
-    """Put ComfyUI on sys.path, set its launch flags (`args.cpu` plus `flags`), load the pack."""
-    comfy = find_comfyui()
-    if comfy is None:
-        sys.exit(HOW_TO_PROVIDE)
-    sys.path.insert(0, str(comfy))
-    import torch
-    from comfy.cli_args import args
-
-    args.cpu = not torch.cuda.is_available()
-    for name, value in flags.items():
-        setattr(args, name, value)
-    load_pack()
-
-
-def load_pack():
-    """Import the pack as `qwen_turbo` (its kernels need no ComfyUI)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "qwen_turbo", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
-    )
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules["qwen_turbo"] = pack
-    spec.loader.exec_module(pack)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+from tests.harness.comfyui import setup_comfy  # noqa: E402
 
 
 def main():

@@ -5,7 +5,6 @@ the run stops with an error, so that a green run always means the integration te
 """
 
 import os
-import sys
 
 import pytest
 import torch
@@ -15,21 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.harness import pack
-from tests.harness.comfyui import HOW_TO_PROVIDE, ROOT, ComfyServer, find_comfyui
+from tests.harness.comfyui import COMFY, HOW_TO_PROVIDE, ROOT, ComfyServer, setup_comfy
 
-COMFY = find_comfyui()
 if COMFY is None:
     raise pytest.UsageError(HOW_TO_PROVIDE)
-
-# In-process ComfyUI, CPU only, as `main.py --cpu` would set it up.
-sys.path.insert(0, str(COMFY))
-from comfy.cli_args import args  # noqa: E402
-
-args.cpu = True
-
-
-pack.load()
+setup_comfy(cpu=True)  # in-process ComfyUI, CPU only, as `main.py --cpu` would set it up
 
 KERNEL_TESTS = ROOT / "tests" / "kernels"
 
@@ -58,6 +47,32 @@ def sd_vae():
     from tests.harness.models import sd_vae
 
     return sd_vae()
+
+
+@pytest.fixture(scope="module")
+def narrow_sd():
+    """The state dict of the narrow 2-block DiT (4 heads of 32, text width 64)."""
+    from safetensors.torch import load_file
+
+    from tests.harness.models import qwen_dit_narrow_file
+
+    return load_file(str(qwen_dit_narrow_file()))
+
+
+@pytest.fixture(scope="module")
+def narrow_loaded():
+    """The narrow DiT as a plain ModelPatcher (tests/harness/models.py: load_narrow_dit)."""
+    from tests.harness.models import load_narrow_dit
+
+    return load_narrow_dit()
+
+
+@pytest.fixture(scope="module")
+def narrow_dit(narrow_loaded):
+    """Loader → ModelSamplingAuraFlow, as in the bundled workflows."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+
+    return ModelSamplingAuraFlow().patch_aura(narrow_loaded, 3.1)[0]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from qwen_turbo.cli.workflow import ui_to_api
-from tests.test_workflows import WORKFLOWS, scaled_for_cpu
+from tests.harness.workflows import WORKFLOWS, scaled_for_cpu
 
 REQUIRED = os.environ.get("QWEN_TURBO_BROWSER") == "required"
 

@@ -22,8 +22,7 @@ from qwen_turbo.nodes import NODES
 from tests import testing_nodes
 from tests.harness import models
 from tests.harness.comfyui import ROOT
-
-WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+from tests.harness.workflows import WORKFLOWS
 
 
 def _load(name: str):

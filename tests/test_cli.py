@@ -13,8 +13,7 @@ import pytest
 import nodes
 from qwen_turbo.cli import headless
 from qwen_turbo.nodes import NODES
-from tests.conftest import COMFY
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 WORKFLOWS = ROOT / "workflows"
 

@@ -1,7 +1,8 @@
 """CUDA Graph Sampler: the graph runner's cache logic, and KSampler-equal results on CPU.
 
-On CPU a stand-in backend gives graph semantics (capture once, replay into the same output
-buffer from the static inputs), so the whole capture/replay path runs inside real sampling.
+On CPU a stand-in backend (tests/harness/graphs.py) gives graph semantics (capture once,
+replay into the same output buffer from the static inputs), so the whole capture/replay path
+runs inside real sampling.
 """
 
 import asyncio
@@ -21,8 +22,6 @@ import torch
 from comfy_api.torch_helpers import set_torch_compile_wrapper
 from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import nodes
 from qwen_turbo.nodes import graph_sampler
@@ -40,63 +39,14 @@ from qwen_turbo.runtime.graphs.runners import (
     innermost_free,
 )
 from tests.harness import models
-
-
-class FakeGraphs:
-    calls = 0
-
-    @staticmethod
-    def supports(x):
-        return None
-
-    @classmethod
-    def capture(cls, run, mode="global"):
-        cls.calls += 1
-        out = run()
-        return (lambda: out.copy_(run())), out, 100, out.clone()
-
-
-class FailingGraphs(FakeGraphs):
-    @classmethod
-    def capture(cls, run, mode="global"):
-        cls.calls += 1
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-
-class Recorder(TorchDispatchMode):
-    """Records the aten ops run under it, with the tensors they read and wrote."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops.append((func, args, kwargs or {}, out))
-        return out
-
-    @torch.no_grad()  # as a CUDA graph's kernels, which autograd never sees
-    def replay(self):
-        """Run the ops again on the same tensors, writing into the tensors they wrote."""
-        for func, args, kwargs, out in self.ops:
-            new = func(*args, **kwargs)
-            for dst, src in zip(tree_leaves(out), tree_leaves(new), strict=True):
-                if isinstance(dst, torch.Tensor) and dst is not src:
-                    dst.copy_(src)
-
-
-class TracedGraphs(FakeGraphs):
-    """Replays the aten ops recorded at capture into the same tensors, as a CUDA graph replays
-    its kernels on the same memory: the Python that issued them (its decisions and its state
-    updates) runs at capture only."""
-
-    @classmethod
-    def capture(cls, run, mode="global"):
-        cls.calls += 1
-        first = run()  # warm-up, as CudaGraphs does: the capturing call's output
-        with torch.no_grad(), Recorder() as recorder:
-            out = run()
-        return recorder.replay, out, 100, first
+from tests.harness.graphs import (
+    CountingGraphs,
+    FailingGraphs,
+    FakeGraphs,
+    OutOfMemoryGraphs,
+    TracedGraphs,
+    cached,
+)
 
 
 @pytest.fixture(scope="module")
@@ -308,34 +258,6 @@ def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, rout
     graph_sampler.CUDAGraphSampler.execute(*args, capture=capture)
     assert routes == [route]
     assert sent[-1]["graphs"] == ("off (capture off)" if capture == "off" else "captured 1")
-
-
-class OutOfMemoryGraphs(FakeGraphs):
-    """Captures, then runs out of memory at the first replay (a graph pool that left a step
-    too little room)."""
-
-    @classmethod
-    def capture(cls, run, mode="global"):
-        _, out, nbytes, first = super().capture(run, mode)
-
-        def replay():
-            raise comfy.model_management.OOM_EXCEPTION("CUDA out of memory. Tried to allocate")
-
-        return replay, out, nbytes, first
-
-
-class CountingGraphs(TracedGraphs):
-    replays = 0
-
-    @classmethod
-    def capture(cls, run, mode="global"):
-        replay, out, nbytes, first = super().capture(run, mode)
-
-        def counted():
-            cls.replays += 1
-            replay()
-
-        return counted, out, nbytes, first
 
 
 def test_the_capturing_step_is_not_replayed(dit):
@@ -644,11 +566,6 @@ def test_graph_status_reports_this_run_only():
     assert graph_status(before, Stats(1, 5, 0, {"lowvram": 2, "why": 1})) == "why"
 
 
-def _cached(node, model):
-    """`model` through a step-caching node whose threshold skips most steps."""
-    return node.execute(model, 3.0, 0.0, 1.0, False).result[0]
-
-
 def _scaled(out, timestep):
     """A Python decision per call: scale by the step's timestep, read as a float."""
     return out * (1 + 0.1 * float(timestep[0]))
@@ -689,9 +606,9 @@ INSIDE = "model call captured inside its wrappers: "
 @pytest.mark.parametrize(
     "setup,outer,step,eager",
     [
-        (lambda m: _cached(EasyCacheNode, m), "'easycache' diffusion_model wrapper",
+        (lambda m: cached(EasyCacheNode, m), "'easycache' diffusion_model wrapper",
          "'easycache' calc_cond_batch wrapper", None),
-        (lambda m: _cached(LazyCacheNode, m), None, None, None),
+        (lambda m: cached(LazyCacheNode, m), None, None, None),
         (_foreign_wrapper, "'someone' diffusion_model wrapper",
          "'someone' diffusion_model wrapper", None),
         (_foreign_forward, "object patch on 'diffusion_model.forward'",
@@ -732,7 +649,7 @@ def test_python_that_a_replay_would_skip_stays_outside_the_graphs(
 
 @pytest.mark.parametrize("node", [EasyCacheNode, LazyCacheNode])
 def test_badge_reports_the_steps_a_caching_node_skipped(dit, node):
-    model = _cached(node, dit)
+    model = cached(node, dit)
     ref = _sample(model, steps=6)
     out, status = sampling.sample_with_graphs(
         model, False, TracedGraphs, 42, 6, 2.5, "euler", "simple", _cond(8, 1), _cond(8, 2),

@@ -19,7 +19,7 @@ from qwen_turbo.runtime.dit import config, files, loader
 from qwen_turbo.runtime.graphs import sampling
 from qwen_turbo.runtime.graphs.cache import cache_for
 from tests.harness import models
-from tests.test_cuda_graph_sampler import FakeGraphs, TracedGraphs
+from tests.harness.graphs import FakeGraphs, TracedGraphs
 
 VARIANTS_ON_HOST = models.host_runs_edit_2511()
 needs_variants = pytest.mark.skipif(

@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import COMFY
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,10 +14,8 @@ import shutil
 import folder_paths
 import pytest
 import torch
-from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
-from qwen_turbo.runtime.dit import files, loader
 from qwen_turbo.runtime.graphs import sampling
 from qwen_turbo.runtime.graphs.cache import cache_for
 from tests.harness import models
@@ -32,23 +30,10 @@ from tests.harness.compat_nodes import (
     node_class,
     path_taken,
 )
-from tests.test_cuda_graph_sampler import TracedGraphs, _cached
+from tests.harness.graphs import TracedGraphs, cached
 
 STEPS, CFG = 6, 2.5
 TEXT = models.NARROW["joint_attention_dim"]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    """The narrow 2-block Qwen-Image DiT as a plain ModelPatcher, as UNETLoader's (ComfyUI's
-    loader reads full-width configs only; the pack's builder, without its kernels)."""
-    return loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
-
-
-@pytest.fixture(scope="module")
-def dit(loaded):
-    """Loader → ModelSamplingAuraFlow, as in the bundled workflows."""
-    return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
 
 
 def _cond(tokens, seed):
@@ -80,9 +65,9 @@ CASES = {
     "LoraLoaderModelOnly": (_lora, CALL, WHOLE),
     "ModelSamplingAuraFlow": (None, CALL, WHOLE),
     "CFGNorm": (lambda m: apply_node("nodes_cfg", "CFGNorm", m, strength=0.5), CALL, CALL),
-    "EasyCache": (lambda m: _cached(node_class("nodes_easycache", "EasyCacheNode"), m),
+    "EasyCache": (lambda m: cached(node_class("nodes_easycache", "EasyCacheNode"), m),
                   INNER, INNER),
-    "LazyCache": (lambda m: _cached(node_class("nodes_easycache", "LazyCacheNode"), m),
+    "LazyCache": (lambda m: cached(node_class("nodes_easycache", "LazyCacheNode"), m),
                   CALL, WHOLE),
     "TorchCompileModel": (_compiled, CALL, WHOLE),
     "SkipLayerGuidanceDiT": (
@@ -116,10 +101,12 @@ CASES = {
 
 @pytest.mark.parametrize("whole_step", [False, True], ids=["model_forward", "whole_step"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_node_through_the_graph_sampler_equals_ksampler(loaded, dit, name, whole_step):
+def test_node_through_the_graph_sampler_equals_ksampler(
+    narrow_loaded, narrow_dit, name, whole_step
+):
     setup, model_call, step = CASES[name]
-    base = loaded if name == "ModelSamplingAuraFlow" else dit
-    model = dit if setup is None else setup(dit)
+    base = narrow_loaded if name == "ModelSamplingAuraFlow" else narrow_dit
+    model = narrow_dit if setup is None else setup(narrow_dit)
     cache_for(base.model).clear()
     ref = nodes.common_ksampler(model, *_args())[0]["samples"]
     out, status = sampling.sample_with_graphs(model, whole_step, TracedGraphs, *_args())

@@ -4,8 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import COMFY
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 LOAD = f"""
 import importlib.util, sys, threading

@@ -36,9 +36,8 @@ from qwen_turbo.nodes.multigpu import MultiGPU
 from qwen_turbo.runtime import multigpu
 from qwen_turbo.runtime.dit import attention, files, loader
 from qwen_turbo.runtime.multigpu import wire
-from tests.conftest import COMFY
 from tests.harness import models
-from tests.harness.comfyui import ROOT
+from tests.harness.comfyui import COMFY, ROOT
 
 STEPS = 3
 TEXT = models.NARROW["joint_attention_dim"]
@@ -49,16 +48,6 @@ TOL = 1e-5  # relative L2, float32
 def _stop_workers():
     yield
     multigpu.shutdown()
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return loader.build(*files.read_checkpoint(models.qwen_dit_narrow_file()))
-
-
-@pytest.fixture(scope="module")
-def dit(loaded):
-    return ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0]
 
 
 def _cond(tokens, seed):
@@ -100,9 +89,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("ranks", "mode", "cfg", "split"), CASES)
-def test_split_equals_single_process(dit, ranks, mode, cfg, split):
-    ref = _sample(dit, cfg)
-    model = multigpu.parallel(dit, _cpus(ranks), mode, backend="gloo")
+def test_split_equals_single_process(narrow_dit, ranks, mode, cfg, split):
+    ref = _sample(narrow_dit, cfg)
+    model = multigpu.parallel(narrow_dit, _cpus(ranks), mode, backend="gloo")
     out = _sample(model, cfg)
     assert _rel(out, ref) < TOL
     stats = multigpu.driver_of(model).stats
@@ -110,10 +99,10 @@ def test_split_equals_single_process(dit, ranks, mode, cfg, split):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash", "fp8_cudnn"])
-def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
+def test_fused_blocks_and_attention_backend_on_the_workers(narrow_loaded, attention):
     """The Optimized Loader's fused blocks and attention override run on the workers too
     (fp8_cudnn with its scales over the ranks; on CPU it runs exact attention)."""
-    fast = loaded.clone()
+    fast = narrow_loaded.clone()
     loader.add_fused_blocks(fast)
     loader.set_attention(fast, attention)
     fast = ModelSamplingAuraFlow().patch_aura(fast, 3.1)[0]
@@ -124,17 +113,17 @@ def test_fused_blocks_and_attention_backend_on_the_workers(loaded, attention):
 
 
 @pytest.mark.parametrize("patch", ["fused on some blocks", "another node's block forward"])
-def test_block_patches_the_workers_cannot_rebuild_run_on_rank_0(loaded, patch):
+def test_block_patches_the_workers_cannot_rebuild_run_on_rank_0(narrow_loaded, patch):
     """Workers rebuild the fused forward on every block or none; a model with it on some
     blocks, or with another node's forward on a block, runs on rank 0 with the same result."""
-    model = loaded.clone()
+    model = narrow_loaded.clone()
     loader.add_fused_blocks(model)
     key = "diffusion_model.transformer_blocks.1.forward"
     if patch == "fused on some blocks":
         del model.object_patches[key]
         reason = "the fused forward on some blocks only"
     else:
-        block = loaded.model.diffusion_model.transformer_blocks[1]
+        block = narrow_loaded.model.diffusion_model.transformer_blocks[1]
         forward = type(block).forward
 
         def tilted(*args, **kwargs):  # each channel scaled apart: no norm after it undoes it
@@ -147,7 +136,8 @@ def test_block_patches_the_workers_cannot_rebuild_run_on_rank_0(loaded, patch):
     model = ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
     ref = _sample(model, 1.0)
     if patch == "another node's block forward":  # the patch shows
-        assert _rel(ref, _sample(ModelSamplingAuraFlow().patch_aura(loaded, 3.1)[0], 1.0)) > 1e-3
+        plain = ModelSamplingAuraFlow().patch_aura(narrow_loaded, 3.1)[0]
+        assert _rel(ref, _sample(plain, 1.0)) > 1e-3
     parallel = multigpu.parallel(model, _cpus(2), "sequence-parallel", backend="gloo")
     assert _rel(_sample(parallel, 1.0), ref) < TOL
     stats = multigpu.driver_of(parallel).stats
@@ -160,11 +150,11 @@ def test_attention_backends_are_known_by_name(name):
     assert multigpu.attention_name(_foreign_wrapper) is None
 
 
-def test_weights_follow_a_lora_and_back(dit):
+def test_weights_follow_a_lora_and_back(narrow_dit):
     """The workers get the weights again whenever the model's patches change."""
-    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
+    model = multigpu.parallel(narrow_dit, _cpus(2), "cfg-parallel", backend="gloo")
     with_lora = _lora(model)
-    plain_ref, lora_ref = _sample(dit), _sample(_lora(dit))
+    plain_ref, lora_ref = _sample(narrow_dit), _sample(_lora(narrow_dit))
     assert _rel(lora_ref, plain_ref) > 1e-2  # the LoRA shows
     for m, ref in ((model, plain_ref), (with_lora, lora_ref), (model, plain_ref)):
         assert _rel(_sample(m), ref) < TOL
@@ -199,14 +189,14 @@ def _foreign_wrapper(executor, *args, **kwargs):
     return executor(*args, **kwargs) * 0.9
 
 
-def test_calls_the_workers_cannot_reproduce_run_on_rank_0(dit):
+def test_calls_the_workers_cannot_reproduce_run_on_rank_0(narrow_dit):
     """Another node's model patch, or its diffusion-model wrapper inside this one, runs on rank
     0 alone (same result as one process), and the reason is counted."""
-    patched = dit.clone()
+    patched = narrow_dit.clone()
     patched.set_model_patch(_double_block_patch, "double_block")
-    wrapped = multigpu.parallel(dit, _cpus(2), "auto", backend="gloo")
+    wrapped = multigpu.parallel(narrow_dit, _cpus(2), "auto", backend="gloo")
     wrapped.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign", _foreign_wrapper)
-    ref_wrapped = dit.clone()
+    ref_wrapped = narrow_dit.clone()
     ref_wrapped.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign", _foreign_wrapper)
     cases = [
         (multigpu.parallel(patched, _cpus(2), "auto", backend="gloo"), patched,
@@ -215,13 +205,13 @@ def test_calls_the_workers_cannot_reproduce_run_on_rank_0(dit):
     ]  # fmt: skip
     for model, ref_model, reason in cases:
         ref = _sample(ref_model)
-        assert _rel(ref, _sample(dit)) > 1e-3  # the patch shows
+        assert _rel(ref, _sample(narrow_dit)) > 1e-3  # the patch shows
         assert _rel(_sample(model), ref) < TOL
         stats = multigpu.driver_of(model).stats
         assert stats.local == {reason: STEPS} and not stats.calls, stats
 
 
-def test_a_text_attention_mask_keeps_the_sequence_whole(dit):
+def test_a_text_attention_mask_keeps_the_sequence_whole(narrow_dit):
     """A prompt padded with a mask (the text encoder's attention_mask) cannot have its tokens
     split: sequence-parallel runs such calls on one GPU, with the same result, and says why."""
     mask = torch.ones((1, 7))
@@ -230,10 +220,10 @@ def test_a_text_attention_mask_keeps_the_sequence_whole(dit):
     cond[0][1]["attention_mask"] = mask
     latent = {"samples": torch.zeros((1, 16, 6, 10))}
     args = (42, STEPS, 1.0, "euler", "simple", cond, _cond(7, 2), latent)
-    ref = nodes.common_ksampler(dit, *args)[0]["samples"]
-    if _rel(ref, _sample(dit, cfg=1.0)) == 0:
+    ref = nodes.common_ksampler(narrow_dit, *args)[0]["samples"]
+    if _rel(ref, _sample(narrow_dit, cfg=1.0)) == 0:
         pytest.skip("this ComfyUI does not pass the text mask to Qwen-Image (v0.3.64)")
-    model = multigpu.parallel(dit, _cpus(2), "sequence-parallel", backend="gloo")
+    model = multigpu.parallel(narrow_dit, _cpus(2), "sequence-parallel", backend="gloo")
     assert _rel(nodes.common_ksampler(model, *args)[0]["samples"], ref) < TOL
     stats = multigpu.driver_of(model).stats
     assert stats.local == {"no sequence parallel with a text attention mask": STEPS}, stats
@@ -243,15 +233,15 @@ def _scaled_attention(func, *args, **kwargs):
     return func(*args, **kwargs) * 0.9
 
 
-def test_another_nodes_attention_override_runs_on_rank_0(dit):
+def test_another_nodes_attention_override_runs_on_rank_0(narrow_dit):
     """An attention override the workers cannot rebuild by name (another node's function)
     keeps the calls on rank 0: the same result, the reason counted."""
-    ref_model = dit.clone()
+    ref_model = narrow_dit.clone()
     ref_model.model_options["transformer_options"]["optimized_attention_override"] = (
         _scaled_attention
     )
     ref = _sample(ref_model)
-    assert _rel(ref, _sample(dit)) > 1e-3  # the override shows
+    assert _rel(ref, _sample(narrow_dit)) > 1e-3  # the override shows
     model = multigpu.parallel(ref_model, _cpus(2), "auto", backend="gloo")
     assert _rel(_sample(model), ref) < TOL
     stats = multigpu.driver_of(model).stats
@@ -260,11 +250,11 @@ def test_another_nodes_attention_override_runs_on_rank_0(dit):
     assert stats.local[reason] == STEPS and not stats.calls, stats
 
 
-def test_unequal_prompt_lengths_split_by_sequence(dit):
+def test_unequal_prompt_lengths_split_by_sequence(narrow_dit):
     """Cond and uncond of different lengths come as two calls of one: auto splits each call's
     sequence instead of the batch."""
-    ref = _sample(dit, negative_tokens=5)
-    model = multigpu.parallel(dit, _cpus(2), "auto", backend="gloo")
+    ref = _sample(narrow_dit, negative_tokens=5)
+    model = multigpu.parallel(narrow_dit, _cpus(2), "auto", backend="gloo")
     assert _rel(_sample(model, negative_tokens=5), ref) < TOL
     assert multigpu.driver_of(model).stats.calls == {(1, 2): 2 * STEPS}
 
@@ -274,11 +264,11 @@ def _workers():
 
 
 @pytest.mark.parametrize("error", [None, "OutOfMemoryError: CUDA out of memory."])
-def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit, error):
+def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(narrow_dit, error):
     """A worker gone (killed, or out of memory: its error sent, then a hint): the error names
     it, and the next run starts fresh workers."""
-    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
-    ref = _sample(dit)
+    model = multigpu.parallel(narrow_dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(narrow_dit)
     assert _rel(_sample(model), ref) < TOL
     first = _workers()[0]
     if error:
@@ -293,7 +283,7 @@ def test_a_dead_worker_gives_a_clear_error_and_the_next_run_starts_fresh(dit, er
     assert _workers()[0].pid != first.pid
 
 
-def test_a_worker_dying_mid_run_stops_the_run(dit):
+def test_a_worker_dying_mid_run_stops_the_run(narrow_dit):
     """One of 3 workers killed between two model calls of a run (by a wrapper outside the
     driver's): the call fails with the worker named, the others (waiting in a collective) are
     stopped too; the next run works."""
@@ -307,13 +297,13 @@ def test_a_worker_dying_mid_run_stops_the_run(dit):
             proc.wait()
         return executor(*args, **kwargs)
 
-    outer = dit.clone()
+    outer = narrow_dit.clone()
     outer.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "killer", killer)
     model = multigpu.parallel(outer, _cpus(4), "both", backend="gloo")
     with pytest.raises(multigpu.MultiGPUError, match="worker on cpu failed"):
         _sample(model)
     assert len(calls) == 2 and multigpu.running() is None
-    assert _rel(_sample(model), _sample(dit)) < TOL
+    assert _rel(_sample(model), _sample(narrow_dit)) < TOL
     assert multigpu.driver_of(model).stats.calls == {(2, 2): 2 + STEPS}
 
 
@@ -331,15 +321,15 @@ def _sockets(pid):
     return {(c.laddr, c.status) for c in psutil.Process(pid).net_connections("inet")}
 
 
-def test_a_local_attacker_reaches_nothing_that_runs_code(dit, tmp_path):
+def test_a_local_attacker_reaches_nothing_that_runs_code(narrow_dit, tmp_path):
     """Every socket the pool opens (this process's and its workers') is on loopback. Forged
     pickles sent from loopback to every port they listen on run nothing (no port speaks
     TCPStore's protocol any more: the ranks meet in a FileStore); the pool still serves the
     next run."""
     multigpu.shutdown()
     before = _sockets(os.getpid())
-    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
-    ref = _sample(dit)
+    model = multigpu.parallel(narrow_dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(narrow_dit)
     assert _rel(_sample(model), ref) < TOL
     opened = (_sockets(os.getpid()) - before) | _sockets(_workers()[0].pid)
     assert opened and all(ipaddress.ip_address(a.ip).is_loopback for a, _ in opened), opened
@@ -358,15 +348,15 @@ def test_a_local_attacker_reaches_nothing_that_runs_code(dit, tmp_path):
     assert not marker.exists()
 
 
-def test_control_messages_are_plain_data_and_others_are_dropped(dit, tmp_path, capfd):
+def test_control_messages_are_plain_data_and_others_are_dropped(narrow_dit, tmp_path, capfd):
     """What a worker cannot take as an operation (not JSON, a pickle, an unknown operation,
     missing fields, a function named as a class or enum) is dropped with a log line and runs
     nothing; the worker serves the next run. The environment is as it was after the pool
     stops."""
     multigpu.shutdown()
     environ = dict(os.environ)
-    model = multigpu.parallel(dit, _cpus(2), "cfg-parallel", backend="gloo")
-    ref = _sample(dit)
+    model = multigpu.parallel(narrow_dit, _cpus(2), "cfg-parallel", backend="gloo")
+    ref = _sample(narrow_dit)
     assert _rel(_sample(model), ref) < TOL
     marker = tmp_path / "ran"
     tampered = [
@@ -435,14 +425,14 @@ def test_plan(mode, world, batch, why_not_sp, want):
     assert multigpu.plan(mode, world, batch, why_not_sp) == want
 
 
-def test_node_with_one_gpu_returns_the_model_as_it_is(dit, caplog, monkeypatch):
+def test_node_with_one_gpu_returns_the_model_as_it_is(narrow_dit, caplog, monkeypatch):
     monkeypatch.setattr(qwen_turbo.runtime, "_logged", set())  # log_once may have said it
     for gpus in (1, 2):  # this host: CPU, so 2 GPUs fall back as well
         with caplog.at_level(logging.WARNING):
-            out = MultiGPU.execute(model=dit, gpus=gpus, mode="auto").result[0]
-        assert out is dit
+            out = MultiGPU.execute(model=narrow_dit, gpus=gpus, mode="auto").result[0]
+        assert out is narrow_dit
         assert ("not CUDA: it runs as it is" in caplog.text) == (gpus == 2)  # logged, not asked
-    assert multigpu.cuda_devices(dit.load_device, 1) == (
+    assert multigpu.cuda_devices(narrow_dit.load_device, 1) == (
         [],
         "1 GPU asked for: the model runs as it is",
     )

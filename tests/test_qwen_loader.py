@@ -18,11 +18,6 @@ from tests.harness import models
 from tests.kernels.common import assert_error_rule
 
 
-@pytest.fixture(scope="module")
-def narrow_sd():
-    return load_file(str(models.qwen_dit_narrow_file()))
-
-
 def _inputs(cfg: config.DiTConfig, seed=1, h=12, w=10, tokens=7):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, cfg.out_channels, 1, h, w, generator=g)

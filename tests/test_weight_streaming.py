@@ -21,11 +21,6 @@ from qwen_turbo.runtime.dit.patcher import HostCopies, LoaderState
 from tests.harness import models
 
 
-@pytest.fixture(scope="module")
-def narrow_sd():
-    return load_file(str(models.qwen_dit_narrow_file()))
-
-
 def _model(sd, weight_dtype, lora=None, device=None):
     """(patcher with fused blocks and `lora`, the same with streaming, its streamer), loading
     onto `device` where given (ComfyUI runs on the CPU in tests)."""

@@ -15,13 +15,10 @@ from PIL import Image
 from qwen_turbo.cli.workflow import ui_to_api
 from tests.harness import models
 from tests.harness.comfyui import ROOT
+from tests.harness.workflows import SCALED, WORKFLOWS, put_input_image, scaled_for_cpu
 
-WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "image"}
-INPUT_IMAGE = "qwen_turbo_test_input.png"  # LoadImage's picture on the tiny models
-# Full-size side -> CPU side (latent 8x smaller; both multiples of 16).
-SCALED = {2512: 64, 1328: 32}
 # What the frontend's zod schema for workflow version 0.4 requires (workflowSchema.ts:
 # zComfyWorkflow and zComfyNode); test_schema_rules_are_the_frontends checks them against the
 # installed frontend. Its `id` is optional, but must be a UUID when present.
@@ -136,56 +133,6 @@ def test_full_size_graph_is_valid(comfy_server, path):
             assert model["directory"] in {"diffusion_models", "text_encoders", "vae", "loras"}
     sizes = [n["inputs"]["width"] for n in api.values() if "width" in n["inputs"]]
     assert all(s % 16 == 0 for s in sizes) and max(sizes) in (1328, 2512)
-
-
-def scaled_for_cpu(api: dict) -> dict:
-    """The graph on the tiny models: CLIP nodes -> test conditioning (Qwen-Image-Edit's text
-    encoder: test conditioning with the VAE-encoded picture as reference latent, as the node
-    encodes it), files -> tiny files, sizes per SCALED, 2 steps."""
-    files = {
-        "unet_name": models.qwen_dit_file().name,
-        "vae_name": models.qwen_vae_file().name,
-        "lora_name": models.full_lora_file().name,
-        "image": INPUT_IMAGE,
-    }
-    edit_2511 = models.qwen_dit_variant_file("edit_2511").name
-    out = {}
-    for node_id, node in api.items():
-        kind, inputs = node["class_type"], dict(node["inputs"])
-        if kind == "CLIPLoader":
-            continue
-        if kind in ("CLIPTextEncode", "TextEncodeQwenImageEditPlus"):
-            seed = int(node_id)  # different seeds and lengths for the two prompts
-            cond = {"seed": seed, "tokens": 8 + seed, "width": 3584}
-            images = [inputs[k] for k in ("image1", "image2", "image3") if k in inputs]
-            text = f"{node_id}.text" if images else node_id
-            out[text] = {"class_type": "QwenTurboTestConditioning", "inputs": cond}
-            for i, image in enumerate(images):  # a chain of ReferenceLatent; its end: node_id
-                encode = {"pixels": image, "vae": inputs["vae"]}
-                out[f"{node_id}.vae{i}"] = {"class_type": "VAEEncode", "inputs": encode}
-                ref = node_id if i == len(images) - 1 else f"{node_id}.ref{i}"
-                refs = {"conditioning": [text, 0], "latent": [f"{node_id}.vae{i}", 0]}
-                out[ref], text = {"class_type": "ReferenceLatent", "inputs": refs}, ref
-            continue
-        for name in inputs:
-            if name in files and isinstance(inputs[name], str):  # not a link
-                inputs[name] = edit_2511 if "edit_2511" in inputs[name] else files[name]
-            elif name in ("width", "height"):
-                inputs[name] = SCALED[inputs[name]]
-            elif name == "steps":
-                inputs[name] = 2
-        out[node_id] = {"class_type": kind, "inputs": inputs}
-    return out
-
-
-def put_input_image(server) -> None:
-    """INPUT_IMAGE in the server's input folder: a gradient with seeded noise."""
-    folder = server.base / "input"
-    folder.mkdir(exist_ok=True)
-    ramp = np.linspace(0, 255, 96)
-    pixels = np.stack([*np.meshgrid(ramp, ramp[::-1]), np.full((96, 96), 128.0)], axis=-1)
-    pixels += np.random.default_rng(0).normal(0, 20, pixels.shape)
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / INPUT_IMAGE)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)

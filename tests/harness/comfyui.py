@@ -1,4 +1,5 @@
-"""Find the real ComfyUI and run it headless on CPU with the pack installed."""
+"""Find the real ComfyUI; set it up in this process, or run it headless on CPU as a server, with
+the pack installed."""
 
 import json
 import os
@@ -10,9 +11,27 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from qwen_turbo.cli.comfy_home import HOW_TO_PROVIDE, find_comfyui  # noqa: F401
+from qwen_turbo.cli.comfy_home import HOW_TO_PROVIDE, find_comfyui
 
+from . import pack
 from .pack import ROOT
+
+COMFY = find_comfyui()  # None where there is none: conftest stops the run, setup_comfy exits
+
+
+def setup_comfy(**flags):
+    """ComfyUI in this process: on sys.path, its launch flags set (`args.cpu` without CUDA,
+    then `flags`), the pack loaded."""
+    if COMFY is None:
+        sys.exit(HOW_TO_PROVIDE)
+    sys.path.insert(0, str(COMFY))
+    import torch
+    from comfy.cli_args import args
+
+    args.cpu = not torch.cuda.is_available()
+    for name, value in flags.items():
+        setattr(args, name, value)
+    pack.load()
 
 
 def _error_text(entry: dict) -> str:

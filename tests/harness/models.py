@@ -90,6 +90,14 @@ def qwen_dit_narrow_file(seed: int = 0, num_layers: int = 2) -> Path:
     )
 
 
+def load_narrow_dit():
+    """The narrow DiT as a plain ModelPatcher, as UNETLoader's (ComfyUI's loader reads
+    full-width configs only; the pack's builder, without its kernels)."""
+    from qwen_turbo.runtime.dit import files, loader
+
+    return loader.build(*files.read_checkpoint(qwen_dit_narrow_file()))
+
+
 def diffusers_folder(file: Path, root: Path, shards: int = 2) -> Path:
     """`file` re-published in the diffusers layout under root/<name>/transformer: config.json
     (the narrow config), the tensors split over `shards` safetensors files, and the index."""

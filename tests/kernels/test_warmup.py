@@ -64,9 +64,9 @@ def test_start_does_nothing_off_cuda(tmp_path):
 SCRIPT = """
 import json, sys, torch
 from pathlib import Path
-sys.path.insert(0, sys.argv[3] + "/benchmarks")
-from vae_decode import load_pack
-load_pack()
+sys.path.insert(0, sys.argv[3])
+from tests.harness import pack
+pack.load()
 import triton.runtime.build
 from triton.runtime.jit import JITFunction
 from qwen_turbo.kernels import fp8_linear, layernorm_modulate, warmup
