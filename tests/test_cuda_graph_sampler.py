@@ -754,3 +754,42 @@ def test_model_sampling_node_as_the_executor_loads_it_is_captured(dit, whole_ste
         assert ("replayed" in status) == replays, status
         why = "object patch on 'model_sampling' runs Python per step"
         assert (why in status) != replays, status
+
+
+def _nan_attention(func, *args, **kwargs):
+    return torch.full_like(func(*args, **kwargs), float("nan"))
+
+
+def test_a_latent_that_is_not_finite_runs_again_with_comfyuis_attention(dit, sent, caplog):
+    """An attention override that gives NaN (a black picture): the run goes again as KSampler
+    with ComfyUI's attention, gives what KSampler gives without the override, and the badge
+    and the log say so."""
+    model = dit.clone()
+    options = model.model_options.setdefault("transformer_options", {})
+    options["optimized_attention_override"] = _nan_attention
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    with caplog.at_level(logging.WARNING):
+        out = graph_sampler.CUDAGraphSampler.execute(model, *args).result[0]["samples"]
+    want = nodes.common_ksampler(dit, *args)[0]["samples"]
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert (
+        sent[-1]["graphs"] == "off (not finite: ran again as KSampler with ComfyUI's "
+        "attention, no graphs)"
+    )
+    assert "not finite" in caplog.text
+    assert "optimized_attention_override" in model.model_options["transformer_options"]
+
+
+def test_a_model_whose_output_is_never_finite_stops_with_an_error(dit):
+    """Not finite on the safe path too: an error that says the picture would be black and
+    what to try, not a black picture."""
+    model = dit.clone()
+    model.set_model_unet_function_wrapper(
+        lambda apply, p: torch.full_like(apply(p["input"], p["timestep"], **p["c"]), float("inf"))
+    )
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    args = (7, 1, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
+    with pytest.raises(ValueError, match="not finite .* would be black. Try the Optimized Loader"):
+        graph_sampler.CUDAGraphSampler.execute(model, *args)
