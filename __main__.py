@@ -1,5 +1,6 @@
-"""python -m qwen_turbo {bench,run}: see the speed-up on this GPU, or run a bundled workflow
-headless. Run from the folder holding the pack (ComfyUI/custom_nodes)."""
+"""python -m qwen_turbo {bench,run,compare}: the speed-up on this GPU, a workflow run headless,
+or its pictures and time against stock ComfyUI's. Run from the folder holding the pack
+(ComfyUI/custom_nodes)."""
 
 import argparse
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwen_turbo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m qwen_turbo", description=__doc__.split(". Run")[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",
@@ -30,11 +31,22 @@ def main(argv=None) -> int:
     r.add_argument("--prompt", help="replaces the positive prompt")
     r.add_argument("--seed", type=int, help="replaces every sampler's seed")
     r.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
+    c = sub.add_parser(
+        "compare",
+        help="run a workflow with stock nodes and with the pack's: PSNR, SSIM, times, pictures",
+        description="Runs the workflow twice, same seed and prompt: with ComfyUI's own nodes "
+        "in place of the pack's, then as it is. Saves both pictures and their difference "
+        "(amplified) under ComfyUI's output/qwen_turbo_compare/, prints PSNR, SSIM and times.",
+    )
+    c.add_argument("workflow", type=Path, help="a workflow (UI JSON) with Qwen Turbo nodes")
+    c.add_argument("--prompt", help="replaces the positive prompt")
+    c.add_argument("--seed", type=int, help="replaces every sampler's seed")
+    c.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
     a = p.parse_args(argv)
 
     from .cli.workflow import workflow_problem
 
-    if a.command == "run" and (problem := workflow_problem(a.workflow)):
+    if a.command in ("run", "compare") and (problem := workflow_problem(a.workflow)):
         print(f"{p.prog} run: error: {a.workflow}: {problem}", file=sys.stderr)
         return 2
 
@@ -43,6 +55,11 @@ def main(argv=None) -> int:
     if a.command == "run":
         headless.start_comfyui(a.out)
         return headless.run(a.workflow, a.prompt, a.seed)
+    if a.command == "compare":
+        from .cli import compare
+
+        headless.start_comfyui(a.out)
+        return compare.compare(a.workflow, a.prompt, a.seed)
     headless.start_comfyui()
     bench.bench(a.size, a.layers)
     return 0

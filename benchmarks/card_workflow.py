@@ -42,19 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.
 from tests.harness.comfyui import ROOT, setup_comfy  # noqa: E402
 
 GiB = 2**30
-STOCK = {
-    "QwenTurboLoader": ("UNETLoader", lambda i: {"unet_name": i["unet_name"],
-                                                 "weight_dtype": "default"}),
-    "QwenTurboCUDAGraphSampler": ("KSampler", lambda i: {k: v for k, v in i.items()
-                                                         if k != "capture"}),
-    "QwenTurboVAEDecodeTiled": ("VAEDecode", lambda i: {"samples": i["samples"],
-                                                        "vae": i["vae"]}),
-    "QwenTurboVAEEncodeTiled": ("VAEEncode", lambda i: {"pixels": i["pixels"],
-                                                        "vae": i["vae"]}),
-    "QwenTurboSaveImage": ("SaveImage", dict),
-}  # fmt: skip
-SAVES = ("SaveImage", "QwenTurboSaveImage")
-PATCHES = ("QwenTurboFusedNormPatch", "QwenTurboTextureUpsample")
 PICTURE = (1536, 2048)  # (height, width) of LoadImage's random picture
 
 
@@ -142,6 +129,7 @@ def prompts(workflow: Path, text_encoder: bool = False) -> dict:
     `text_encoder` the text encoding is replaced by seeded conditioning (Edit's by
     QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
     import nodes
+    from qwen_turbo.cli.stock import STOCK, stock_graph
     from qwen_turbo.cli.workflow import object_info, ui_to_api
 
     api = ui_to_api(json.loads(workflow.read_text()), object_info(nodes.NODE_CLASS_MAPPINGS))
@@ -167,22 +155,7 @@ def prompts(workflow: Path, text_encoder: bool = False) -> dict:
             }
             node = {"class_type": "QwenTurboTestEditConditioning", "inputs": cond}
         pack[node_id] = node
-    stock = {}
-    for node_id, node in pack.items():
-        kind, inputs = node["class_type"], node["inputs"]
-        if kind in PATCHES:
-            continue
-        if kind in STOCK:
-            kind, inputs = STOCK[kind][0], STOCK[kind][1](inputs)
-        stock[node_id] = {"class_type": kind, "inputs": dict(inputs)}
-    # a patch node's output -> the VAE it patched
-    vae_of = {k: n["inputs"]["vae"] for k, n in pack.items() if n["class_type"] in PATCHES}
-    for node in stock.values():
-        src = node["inputs"].get("vae")
-        while isinstance(src, list) and src[0] in vae_of:
-            src = vae_of[src[0]]
-        if src is not None:
-            node["inputs"]["vae"] = src
+    stock = stock_graph(pack)
     # the pack's graph with ComfyUI's own decode after the CUDA Graph Sampler
     mixed = {
         k: {"class_type": n["class_type"], "inputs": dict(n["inputs"])} for k, n in pack.items()
@@ -291,6 +264,8 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     reset_host_peak()
     t0 = time.perf_counter()
+    from qwen_turbo.cli.stock import SAVES
+
     outputs = [k for k, n in api.items() if n["class_type"] in SAVES]
     executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
     if cuda:

@@ -115,38 +115,63 @@ def _executor(execution, server):
     return execution.PromptExecutor(server)
 
 
-def run(workflow: Path, prompt: str | None, seed: int | None) -> int:
-    """Run it; 0 on success, 2 when model files are missing, 1 on a node error."""
-    import comfy.utils
-    import execution
-    import folder_paths
-
+def load_workflow(workflow: Path) -> dict | None:
+    """The API-format prompt of a UI-format workflow; None (the missing files listed) where
+    model files are missing."""
     import nodes
 
     ui = json.loads(workflow.read_text())
     missing = missing_models(ui)
     if missing:
         print(f"{workflow.name} needs these model files:\n" + "\n".join(missing), file=sys.stderr)
-        return 2
-    api = ui_to_api(ui, object_info(nodes.NODE_CLASS_MAPPINGS))
-    set_prompt_and_seed(api, prompt, seed)
+        return None
+    return ui_to_api(ui, object_info(nodes.NODE_CLASS_MAPPINGS))
+
+
+def execute(api: dict):
+    """Run `api` through ComfyUI's executor with a progress bar: (executor, per-node seconds,
+    total seconds); the executor is None where the prompt does not validate."""
+    import comfy.utils
+    import execution
+
     console = _Console(api)
     comfy.utils.set_progress_bar_global_hook(console.progress)
     valid = asyncio.run(execution.validate_prompt(str(uuid.uuid4()), api, None))
     if not valid[0]:
         print(f"invalid workflow: {valid[1]}\n{json.dumps(valid[3], indent=1)}", file=sys.stderr)
-        return 1
+        return None, {}, 0.0
     executor = _executor(execution, console)
     t0 = time.perf_counter()
     executor.execute(api, str(uuid.uuid4()), {"client_id": console.client_id}, valid[2])
     console._close()
-    total = time.perf_counter() - t0
+    return executor, console.timings, time.perf_counter() - t0
+
+
+def saved_images(executor) -> dict[str, list[Path]]:
+    """The files each output node of the last run saved, by node id."""
+    import folder_paths
+
+    out_dir = Path(folder_paths.get_output_directory())
+    return {
+        node: [out_dir / i["subfolder"] / i["filename"] for i in out.get("images", [])]
+        for node, out in executor.history_result.get("outputs", {}).items()
+    }
+
+
+def run(workflow: Path, prompt: str | None, seed: int | None) -> int:
+    """Run it; 0 on success, 2 when model files are missing, 1 on a node error."""
+    api = load_workflow(workflow)
+    if api is None:
+        return 2
+    set_prompt_and_seed(api, prompt, seed)
+    executor, timings, total = execute(api)
+    if executor is None:
+        return 1
     print(f"{'node':>6}  {'type':32} {'seconds':>8}")
-    for node, seconds in console.timings.items():
+    for node, seconds in timings.items():
         print(f"{node:>6}  {api[node]['class_type']:32} {seconds:8.2f}")
     print(f"{'':>6}  {'total':32} {total:8.2f}")
-    for out in executor.history_result.get("outputs", {}).values():
-        for image in out.get("images", []):
-            out_dir = Path(folder_paths.get_output_directory()) / image["subfolder"]
-            print(f"saved {out_dir / image['filename']}")
+    for paths in saved_images(executor).values():
+        for path in paths:
+            print(f"saved {path}")
     return 0 if executor.success else 1

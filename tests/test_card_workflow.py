@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import nodes
 from qwen_turbo.cli import headless
+from qwen_turbo.cli.stock import PATCHES
 from qwen_turbo.nodes import NODES
 from tests import testing_nodes
 from tests.harness import models
@@ -83,7 +84,7 @@ def test_graphs_validate_at_full_size(comfy, path):
     kinds = {v: {n["class_type"] for n in api.values()} for v, api in variants.items()}
     assert not kinds["stock"] & {"QwenTurboLoader", "QwenTurboCUDAGraphSampler",
                                  "QwenTurboVAEDecodeTiled", "QwenTurboVAEEncodeTiled",
-                                 "QwenTurboSaveImage", *card.PATCHES}  # fmt: skip
+                                 "QwenTurboSaveImage", *PATCHES}  # fmt: skip
     assert "TextEncodeQwenImageEditPlus" not in kinds["pack"] | kinds["stock"]
     assert not {"CLIPLoader", "CLIPTextEncode"} & (kinds["pack"] | kinds["stock"])
     if "edit" in path.stem:
@@ -255,3 +256,16 @@ def test_set_steps_reaches_every_sampler_of_both_variants(comfy):
         assert {s["denoise"] for s in samplers} == {1.0, 0.55}
         valid, error, _, node_errors = asyncio.run(execution.validate_prompt(name, api, None))
         assert valid and not node_errors, (error, node_errors)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_new_prompt_changes_each_samplers_positive_only(comfy, path):
+    """The harness's new-prompt run: with the real text encode nodes their text changes, with
+    the test conditioning its seed; negatives and everything else stay."""
+    for text_encoder in (True, False):
+        api = card.prompts(path, text_encoder)["pack"]
+        before = {k: dict(n["inputs"]) for k, n in api.items()}
+        card.new_prompt(api, 1)
+        positives = {n["inputs"]["positive"][0] for n in api.values() if "steps" in n["inputs"]}
+        changed = {k for k, n in api.items() if n["inputs"] != before[k]}
+        assert changed == positives, (text_encoder, changed, positives)

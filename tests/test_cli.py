@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import folder_paths
+import numpy as np
 import pytest
 
 import nodes
-from qwen_turbo.cli import headless
+from qwen_turbo.cli import compare, headless
 from qwen_turbo.nodes import NODES
 from tests.harness.comfyui import COMFY, ROOT
 
@@ -28,7 +29,7 @@ def _cli(tmp_path, *args, timeout=600):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["run"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["run"], ["compare"]])
 def test_help(tmp_path, command):
     r = _cli(tmp_path, *command, "--help")
     assert r.returncode == 0 and "usage: python -m qwen_turbo" in r.stdout
@@ -120,3 +121,43 @@ def test_run_executes_a_workflow(models_dir, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "QwenTurboVAEDecodeTiled" in out and "total" in out
     assert len(list(tmp_path.glob("*.png"))) == 3
+
+
+def test_compare_metrics():
+    """PSNR and SSIM on pictures whose answer is known; the difference picture amplifies."""
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 250, (40, 48, 3), dtype=np.uint8)
+    assert compare.psnr(a, a) == float("inf") and compare.ssim(a, a) == pytest.approx(1.0)
+    b = a + np.uint8(4)
+    assert compare.psnr(a, b) == pytest.approx(10 * np.log10(255**2 / 16))
+    noise = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    assert compare.ssim(a, noise) < 0.1 < compare.ssim(a, b) < 1
+    assert (compare.difference(a, b) == 4 * compare.AMPLIFY).all()
+
+
+def test_compare_runs_stock_and_pack(models_dir, tmp_path, monkeypatch, capsys):
+    """compare on a workflow with the pack's VAE nodes: both sides run through the executor,
+    each save node's pictures are paired (the pack's decodes as close to stock's as its tests
+    require), difference pictures written, times printed."""
+    from tests.testing_nodes import TestConditioning
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    for node in [*NODES, TestConditioning]:
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.define_schema().node_id, node)
+    for kind in ("diffusion_models", "vae"):
+        paths = ([str(models_dir / kind)], {".safetensors"})
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
+    workflow = ROOT / "tests" / "workflows" / "tiny_qwen_vae.json"
+    assert compare.compare(workflow, prompt=None, seed=5) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    by_node = {r["node"]: r for r in result["pictures"]}
+    assert set(by_node) == {"10", "11", "15"}
+    for r in result["pictures"]:
+        assert r["psnr_db"] > 30 and r["ssim"] > 0.9, r
+    for r in result["pictures"]:
+        assert "/stock_" in r["stock"] and "/pack_" in r["pack"]
+        assert os.path.exists(r["difference"])
+    assert result["stock_s"] > 0 and result["pack_s"] > 0 and "stock" in out and "x)" in out

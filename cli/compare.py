@@ -1,0 +1,110 @@
+"""`python -m qwen_turbo compare`: a workflow run with stock nodes and with the pack's, same
+seed and prompt, so a team can judge the pack on its own weights and GPU: both pictures, an
+amplified difference, PSNR, SSIM and each side's time. Call `headless.start_comfyui` first."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from . import headless
+from .stock import SAVES, STOCK, stock_graph
+
+AMPLIFY = 8  # the difference picture: |stock - pack| times this
+FOLDER = "qwen_turbo_compare"  # under ComfyUI's output folder
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of two 8-bit pictures, dB (inf where identical)."""
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Structural similarity of two 8-bit pictures (H, W, C): Wang et al. 2004, an 11x11
+    Gaussian window of sigma 1.5, averaged over pixels and channels."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.tensor(a, dtype=torch.float64).permute(2, 0, 1)[:, None]
+    y = torch.tensor(b, dtype=torch.float64).permute(2, 0, 1)[:, None]
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    g = g / g.sum()
+    window = (g[:, None] * g[None, :])[None, None]
+
+    def blur(t):
+        return F.conv2d(t, window)
+
+    mx, my = blur(x), blur(y)
+    vx, vy, cov = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    s = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| times AMPLIFY, as an 8-bit picture."""
+    d = np.abs(a.astype(np.int16) - b.astype(np.int16)) * AMPLIFY
+    return np.clip(d, 0, 255).astype(np.uint8)
+
+
+def _run(api: dict, side: str):
+    """One side from nothing loaded: (saved files by save node, seconds), or None on an error."""
+    import comfy.model_management as mm
+
+    for node in api.values():
+        if node["class_type"] in SAVES:
+            node["inputs"]["filename_prefix"] = f"{FOLDER}/{side}"
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    executor, _, total = headless.execute(api)
+    if executor is None or not executor.success:
+        return None
+    return headless.saved_images(executor), total
+
+
+def compare(workflow: Path, prompt: str | None, seed: int | None) -> int:
+    """Run both sides and report; 0 on success, 2 for missing files or no pack node, 1 on an
+    error in a run."""
+    from PIL import Image
+
+    api = headless.load_workflow(workflow)
+    if api is None:
+        return 2
+    if not any(n["class_type"] in STOCK for n in api.values()):
+        print(f"{workflow.name} has no Qwen Turbo node to compare with stock", flush=True)
+        return 2
+    headless.set_prompt_and_seed(api, prompt, seed)
+    runs = {}
+    for side, graph in (("stock", stock_graph(api)), ("pack", api)):
+        runs[side] = _run(graph, side)
+        if runs[side] is None:
+            print(f"compare: the {side} run failed (its error is above)", flush=True)
+            return 1
+    (stock, stock_s), (pack, pack_s) = runs["stock"], runs["pack"]
+    rows = []
+    for node, files in stock.items():
+        for i, (a_path, b_path) in enumerate(zip(files, pack.get(node, []), strict=False)):
+            a = np.asarray(Image.open(a_path).convert("RGB"))
+            b = np.asarray(Image.open(b_path).convert("RGB"))
+            if a.shape != b.shape:
+                error = f"sizes {a.shape} / {b.shape}"
+                rows.append({"node": node, "picture": i, "stock": str(a_path),
+                             "pack": str(b_path), "error": error})  # fmt: skip
+                continue
+            diff = a_path.with_name(f"diff_{node}_{i}.png")
+            Image.fromarray(difference(a, b)).save(diff)
+            rows.append({"node": node, "picture": i, "psnr_db": round(psnr(a, b), 2),
+                         "ssim": round(ssim(a, b), 4), "stock": str(a_path),
+                         "pack": str(b_path), "difference": str(diff)})  # fmt: skip
+    print(f"{'node':>6} {'picture':>7} {'PSNR dB':>8} {'SSIM':>7}  files (difference x{AMPLIFY})")
+    for r in rows:
+        figures = f"{r['psnr_db']:8.2f} {r['ssim']:7.4f}" if "ssim" in r else f"{r['error']:>16}"
+        print(f"{r['node']:>6} {r['picture']:7} {figures}  {r['stock']}, {r['pack']}"
+              + (f", {r['difference']}" if "difference" in r else ""))  # fmt: skip
+    print(f"time, each from nothing loaded: stock {stock_s:.2f} s, pack {pack_s:.2f} s "
+          f"({stock_s / pack_s:.2f}x)")  # fmt: skip
+    print(json.dumps({"workflow": workflow.name, "stock_s": round(stock_s, 2),
+                      "pack_s": round(pack_s, 2), "pictures": rows}))  # fmt: skip
+    return 0
