@@ -7,7 +7,12 @@ timings), compared with the stock output (relative L2), and unloaded before the 
 alone, without the host's launch cost), and eager/graph printed (1.0: the host is hidden).
 With --sample-steps N it also times an N-step euler/simple CFG-1 KSampler run at the largest
 size with a random LoRA, stock against --sample-variant (+ CUDA Graph Sampler).
+Each row gives the roofline: the forward's FLOPs counted from the shapes (cli/bench.
+forward_flops: GEMMs and attention), the TFLOP/s achieved (eager), and that as a share of
+the GPU's dense fp8 and bf16 peaks where the GPU is listed (cli/bench.PEAKS).
 Prints a table and JSON on the last line.
+
+    python benchmarks/dit_forward.py --sizes 1024 1328 1664x928 2512 --graph
 """
 
 import argparse
@@ -60,9 +65,20 @@ def load(variant, sd):
     return patcher
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """'1328' (a square) or '1664x928' (width x height) -> (width, height)."""
+    w, _, h = text.partition("x")
+    return int(w), int(h or w)
+
+
+def label(wh: tuple[int, int]) -> str:
+    return str(wh[0]) if wh[0] == wh[1] else f"{wh[0]}x{wh[1]}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1328, 2512])
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=[(1328, 1328), (2512, 2512)],
+                   help="sides, or WIDTHxHEIGHT")  # fmt: skip
     p.add_argument("--layers", type=int, default=60, help="60 = the real model")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
@@ -79,6 +95,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("This benchmark needs a CUDA GPU.")
     sd = bench.qwen_dit_state_dict(a.layers, "cuda")
+    peaks = bench.peaks(torch.cuda.get_device_name())
     rows, ref = [], {}
     for variant in a.variants:
         patcher = load(variant, sd)
@@ -92,8 +109,14 @@ def main():
             if variant == a.variants[0]:
                 ref[size] = out
             err = bench.rel_l2(out, ref[size])
+            gemm, attention = bench.forward_flops(a.layers, *size)
+            tflops = (gemm + attention) / ms / 1e9
             rows.append({
-                "variant": variant, "size": size, "ms": round(ms, 1),
+                "variant": variant, "size": label(size), "ms": round(ms, 1),
+                "gemm_tflop": round(gemm / 1e12, 2), "attention_tflop": round(attention / 1e12, 2),
+                "tflops": round(tflops, 1),
+                "of_fp8_peak": round(tflops / peaks[1], 3) if peaks else None,
+                "of_bf16_peak": round(tflops / peaks[0], 3) if peaks else None,
                 "vs_first": None, "rel_l2": err, "finite": bool(out.isfinite().all()),
                 "weights_gib": round(weights / 2**30, 2),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -114,13 +137,20 @@ def main():
         r["vs_first"] = round(r["ms"] / first[r["size"]]["ms"], 3)
         if a.graph:
             r["graph_vs_first"] = round(r["graph_ms"] / first[r["size"]]["graph_ms"], 3)
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.layers} layers")
-    head = ("variant", "size", "ms", "ratio", "rel L2", "weights", "peak")
-    print("{:26} {:>5} {:>8} {:>6} {:>9} {:>8} {:>7}".format(*head))
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.layers} layers"
+        + (f", dense peaks {peaks[1]} (fp8) / {peaks[0]} (bf16) TFLOP/s" if peaks else "")
+    )
+    head = ("variant", "size", "ms", "ratio", "rel L2", "weights", "peak", "TFLOP", "TFLOP/s",
+            "fp8%", "bf16%")  # fmt: skip
+    print("{:26} {:>8} {:>8} {:>6} {:>9} {:>8} {:>7} {:>7} {:>7} {:>5} {:>5}".format(*head))
     for r in rows:
+        share = (f"{100 * r['of_fp8_peak']:5.1f} {100 * r['of_bf16_peak']:5.1f}" if peaks
+                 else f"{'':5} {'':5}")  # fmt: skip
         print(
-            f"{r['variant']:26} {r['size']:5d} {r['ms']:8.1f} {r['vs_first']:6.3f} "
-            f"{r['rel_l2']:9.2e} {r['weights_gib']:7.2f}G {r['peak_gib']:6.2f}G"
+            f"{r['variant']:26} {r['size']:>8} {r['ms']:8.1f} {r['vs_first']:6.3f} "
+            f"{r['rel_l2']:9.2e} {r['weights_gib']:7.2f}G {r['peak_gib']:6.2f}G "
+            f"{r['gemm_tflop'] + r['attention_tflop']:7.1f} {r['tflops']:7.1f} {share}"
             + ("" if r["finite"] else "  NON-FINITE")
             + (f"  graph {r['graph_ms']:.1f} ({r['graph_vs_first']:.3f}, {r['graph_rel_l2']:.2e}),"
                f" eager/graph {r['eager_vs_graph']:.3f}" if a.graph else "")
@@ -128,7 +158,7 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "layers": a.layers, "forward": rows}  # fmt: skip
     if a.sample_steps:
-        result["sampling"] = sample(sd, a.sizes[-1], a.sample_steps, a.sample_variant)
+        result["sampling"] = sample(sd, a.sizes[-1][0], a.sample_steps, a.sample_variant)
     print(json.dumps(result))
 
 

@@ -93,12 +93,14 @@ def qwen_vae(device: str):
     return comfy.sd.VAE(sd=random_state_dict(qwen_vae_module(), seed=0, device=device))
 
 
-def forward_fn(patcher, size: int, tokens: int = 256):
-    """A closure running one forward through BaseModel.apply_model, as samplers call it."""
+def forward_fn(patcher, size: int | tuple[int, int], tokens: int = 256):
+    """A closure running one forward through BaseModel.apply_model, as samplers call it, at
+    `size` (a side, or width and height)."""
+    w, h = (size, size) if isinstance(size, int) else size
     device = patcher.load_device
     g = torch.Generator(device).manual_seed(1)
     width = patcher.model.diffusion_model.txt_in.weight.shape[1]
-    x = torch.randn((1, 16, 1, size // 8, size // 8), device=device, generator=g)
+    x = torch.randn((1, 16, 1, h // 8, w // 8), device=device, generator=g)
     ctx = torch.randn((1, tokens, width), device=device, generator=g)
     sigma = torch.tensor([0.6], device=device)
     opts = dict(patcher.model_options.get("transformer_options", {}), wrappers=patcher.wrappers)
@@ -108,6 +110,30 @@ def forward_fn(patcher, size: int, tokens: int = 256):
             return patcher.model.apply_model(x, sigma, c_crossattn=ctx, transformer_options=opts)
 
     return run
+
+
+# Dense peaks, TFLOP/s (bf16, fp8), by the name torch gives the GPU (NVIDIA's data sheets).
+PEAKS = {
+    "H100 80GB HBM3": (989.4, 1978.9),  # SXM
+    "H100 PCIe": (756.5, 1513.0),
+    "H100 NVL": (835.5, 1671.0),
+    "H200": (989.4, 1978.9),
+}
+
+
+def peaks(gpu: str) -> tuple[float, float] | None:
+    """(bf16, fp8) dense TFLOP/s of the GPU named `gpu`, or None where not listed."""
+    return next((v for k, v in PEAKS.items() if k in gpu), None)
+
+
+def forward_flops(layers: int, width: int, height: int, text_tokens: int = 256,
+                  dim: int = 3072) -> tuple[float, float]:  # fmt: skip
+    """(GEMM, attention) FLOPs of one Qwen-Image DiT forward, counted from the shapes: per
+    block and token, QKV, output and MLP (4x) projections of both streams, 24·dim² in all;
+    joint attention over image and text tokens, 4·tokens²·dim. The embeddings, modulation
+    and final layer (under 1%) are left out."""
+    tokens = (width // 16) * (height // 16) + text_tokens
+    return layers * 24.0 * tokens * dim**2, layers * 4.0 * tokens**2 * dim
 
 
 def timed(fn, repeats: int = 3):
@@ -188,16 +214,19 @@ def bench_rows(size: int, layers: int) -> list[dict]:
     ms_stock, ref = timed(forward_fn(stock, size))
     del stock
     mm.unload_all_models()
-    pack = loader.build(dict(sd), read_config(sd), weights)
-    loader.add_fused_blocks(pack)
-    loader.set_attention(pack, "sdpa")
-    mm.load_models_gpu([pack])
-    ms_pack, out = timed(forward_fn(pack, size))
-    rows.append({"what": f"DiT forward, {layers} layers", "stock_ms": ms_stock,
-                 "pack_ms": ms_pack, "pack": f"Optimized Loader {weights}, fused, sdpa",
-                 "rel_l2": rel_l2(out, ref)})  # fmt: skip
-    del pack, sd
-    mm.unload_all_models()
+    for attention in ("sdpa", "fp8_cudnn") if cuda else ("sdpa",):
+        pack = loader.build(dict(sd), read_config(sd), weights)
+        loader.add_fused_blocks(pack)
+        loader.set_attention(pack, attention)
+        mm.load_models_gpu([pack])
+        ms_pack, out = timed(forward_fn(pack, size))
+        what = ", the bundled workflows' path" if attention == "fp8_cudnn" else ""
+        rows.append({"what": f"DiT forward, {layers} layers", "stock_ms": ms_stock,
+                     "pack_ms": ms_pack, "pack": f"Optimized Loader {weights}, fused, "
+                     f"{attention}{what}", "rel_l2": rel_l2(out, ref)})  # fmt: skip
+        del pack, out
+        mm.unload_all_models()
+    del sd
 
     vae = qwen_vae(device)
     latent = torch.randn(

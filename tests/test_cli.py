@@ -161,3 +161,21 @@ def test_compare_runs_stock_and_pack(models_dir, tmp_path, monkeypatch, capsys):
         assert "/stock_" in r["stock"] and "/pack_" in r["pack"]
         assert os.path.exists(r["difference"])
     assert result["stock_s"] > 0 and result["pack_s"] > 0 and "stock" in out and "x)" in out
+
+
+def test_roofline_counts_the_forwards_flops():
+    """The DiT forward's FLOPs from its shapes, checked against the figures worked out by hand
+    from Qwen-Image's widths (3072, MLP 12288; 24,905 tokens at 2512², 7,145 at 1328²)."""
+    from qwen_turbo.cli import bench
+
+    gemm, attention = bench.forward_flops(60, 2512, 2512)
+    assert gemm == pytest.approx(60 * 24 * 24905 * 3072**2) and 0.33e15 < gemm < 0.35e15
+    assert attention == pytest.approx(60 * 4 * 24905**2 * 3072) and 0.45e15 < attention < 0.47e15
+    assert sum(bench.forward_flops(30, 1328, 1328)) == pytest.approx(0.067e15, rel=0.02)
+    assert bench.forward_flops(1, 1664, 928)[0] == 24 * (104 * 58 + 256) * 3072**2
+    bf16, fp8 = bench.peaks("NVIDIA H100 80GB HBM3")
+    # 30 layers at 2512² in 524 ms: 0.76 PFLOP/s, 38% of the dense fp8 peak
+    assert sum(bench.forward_flops(30, 2512, 2512)) / 0.524 / 1e12 / fp8 == pytest.approx(
+        0.38, abs=0.01
+    )
+    assert bench.peaks("NVIDIA GeForce RTX 4090") is None
