@@ -7,6 +7,14 @@ import sys
 from pathlib import Path
 
 
+def workflow_arguments(parser, what: str) -> None:
+    """The arguments of the commands that run a workflow."""
+    parser.add_argument("workflow", type=Path, help=what)
+    parser.add_argument("--prompt", help="replaces the positive prompt")
+    parser.add_argument("--seed", type=int, help="replaces every sampler's seed")
+    parser.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qwen_turbo", description=__doc__.split(". Run")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -27,10 +35,7 @@ def main(argv=None) -> int:
         "images and prints per-node timings. Missing model files are listed with where to "
         "put them and where to download them.",
     )
-    r.add_argument("workflow", type=Path, help="e.g. workflows/qwen_image_2512_turbo_2512px.json")
-    r.add_argument("--prompt", help="replaces the positive prompt")
-    r.add_argument("--seed", type=int, help="replaces every sampler's seed")
-    r.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
+    workflow_arguments(r, "e.g. workflows/qwen_image_2512_turbo_2512px.json")
     c = sub.add_parser(
         "compare",
         help="run a workflow with stock nodes and with the pack's: PSNR, SSIM, times, pictures",
@@ -38,16 +43,13 @@ def main(argv=None) -> int:
         "in place of the pack's, then as it is. Saves both pictures and their difference "
         "(amplified) under ComfyUI's output/qwen_turbo_compare/, prints PSNR, SSIM and times.",
     )
-    c.add_argument("workflow", type=Path, help="a workflow (UI JSON) with Qwen Turbo nodes")
-    c.add_argument("--prompt", help="replaces the positive prompt")
-    c.add_argument("--seed", type=int, help="replaces every sampler's seed")
-    c.add_argument("--out", type=Path, help="output folder (default: ComfyUI's output/)")
+    workflow_arguments(c, "a workflow (UI JSON) with Qwen Turbo nodes")
     a = p.parse_args(argv)
 
     from .cli.workflow import workflow_problem
 
     if a.command in ("run", "compare") and (problem := workflow_problem(a.workflow)):
-        print(f"{p.prog} run: error: {a.workflow}: {problem}", file=sys.stderr)
+        print(f"{p.prog} {a.command}: error: {a.workflow}: {problem}", file=sys.stderr)
         return 2
 
     from .cli import bench, headless

@@ -104,8 +104,10 @@ def test_prompt_and_seed_reach_every_sampler():
     assert api["3"]["inputs"]["seed"] == 5 and api["1"]["inputs"]["text"] == "a cat"
 
 
-def test_run_executes_a_workflow(models_dir, tmp_path, monkeypatch, capsys):
-    """headless.run through PromptExecutor, a seed given: images saved, timings printed."""
+@pytest.fixture
+def executor_setup(models_dir, tmp_path, monkeypatch):
+    """ComfyUI's node table with the pack's and the test conditioning; the tiny models as the
+    diffusion_models and vae folders; tmp_path as the output folder."""
     from tests.testing_nodes import TestConditioning
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
@@ -116,6 +118,10 @@ def test_run_executes_a_workflow(models_dir, tmp_path, monkeypatch, capsys):
         monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
     monkeypatch.setattr(folder_paths, "filename_list_cache", {})
     monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
+
+
+def test_run_executes_a_workflow(executor_setup, tmp_path, capsys):
+    """headless.run through PromptExecutor, a seed given: images saved, timings printed."""
     workflow = ROOT / "tests" / "workflows" / "tiny_qwen_vae.json"
     assert headless.run(workflow, prompt=None, seed=5) == 0
     out = capsys.readouterr().out
@@ -135,20 +141,10 @@ def test_compare_metrics():
     assert (compare.difference(a, b) == 4 * compare.AMPLIFY).all()
 
 
-def test_compare_runs_stock_and_pack(models_dir, tmp_path, monkeypatch, capsys):
+def test_compare_runs_stock_and_pack(executor_setup, capsys):
     """compare on a workflow with the pack's VAE nodes: both sides run through the executor,
     each save node's pictures are paired (the pack's decodes as close to stock's as its tests
     require), difference pictures written, times printed."""
-    from tests.testing_nodes import TestConditioning
-
-    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
-    for node in [*NODES, TestConditioning]:
-        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.define_schema().node_id, node)
-    for kind in ("diffusion_models", "vae"):
-        paths = ([str(models_dir / kind)], {".safetensors"})
-        monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
     workflow = ROOT / "tests" / "workflows" / "tiny_qwen_vae.json"
     assert compare.compare(workflow, prompt=None, seed=5) == 0
     out = capsys.readouterr().out
