@@ -25,6 +25,13 @@ def assert_error_rule(out, exact, eager, atol):
     assert err <= 2 * err_eager + atol, (err, err_eager, atol)
 
 
+def rotations(shape, seed=0):
+    """A table of random 2x2 rotations of any shape (..., n, 2, 2), as RoPE's freqs."""
+    angle = torch.randn(shape[:-2], generator=torch.Generator().manual_seed(seed))
+    rot = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], dim=-1)
+    return rot.reshape(shape)
+
+
 def fallback_messages(caplog, op):
     """The fallback messages logged for `op` ("<op>: using the PyTorch reference: ...")."""
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{op}:")]
@@ -33,22 +40,6 @@ def fallback_messages(caplog, op):
 def assert_logged_once(caplog, op, reason):
     messages = fallback_messages(caplog, op)
     assert len(messages) == 1 and reason in messages[0], messages
-
-
-def assert_logged_once_per_reason(monkeypatch, caplog, op, fn, args, x64_args, all64_args):
-    """With the kernels disabled, repeated calls log one message, and so does a call with a
-    float64 x (same reason: the env switch is checked first); re-enabled, float64 calls log
-    a second message, once."""
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
-    for _ in range(3):
-        fn(*args)
-    fn(*x64_args)
-    assert len(fallback_messages(caplog, op)) == 1
-    monkeypatch.delenv("QWEN_TURBO_DISABLE_KERNELS")
-    for _ in range(2):
-        fn(*all64_args)
-    messages = fallback_messages(caplog, op)
-    assert len(messages) == 2 and "torch.float64" in messages[1], messages
 
 
 def assert_cuda_graph_replays(run, x, dim):

@@ -29,11 +29,8 @@ from qwen_turbo.kernels.layernorm_modulate import (
 from tests.harness.models import host_rope
 from tests.kernels.common import (
     DTYPES,
-    assert_compiles_full_graph,
     assert_error_rule,
     assert_logged_once,
-    assert_logged_once_per_reason,
-    fallback_messages,
     needs_cuda,
     needs_triton,
     ulps,
@@ -189,27 +186,6 @@ def test_empty_input(kernel_only):
     assert h.shape == out.shape == x.shape
 
 
-@needs_triton
-def test_custom_op_registration():
-    x, y, gate, shift, scale = _inputs((2, 3, 64), torch.float32, seed=8, modulation=True)
-    torch.library.opcheck(mod._gated_residual_op.op, (x, y, gate))
-    yt = y.transpose(1, 2).contiguous().transpose(1, 2)
-    torch.library.opcheck(mod._gated_residual_op.op, (x, yt, gate))
-    fused = mod._gated_residual_layernorm_modulate_op.op
-    torch.library.opcheck(fused, (x, yt, gate, shift, scale, 1e-6))
-
-
-@needs_triton
-def test_torch_compile_full_graph(kernel_only):
-    x, y, gate, shift, scale = _inputs((1, 3, 64), torch.float32, seed=9, modulation=True)
-
-    def step(x):
-        h, m = gated_residual_layernorm_modulate(x, y, gate, shift, scale)
-        return gated_residual(h, m, gate) * 2
-
-    assert_compiles_full_graph(step, x)
-
-
 # The fused residual + LayerNorm + modulation.
 
 FUSED_SHAPES = [(2, 17, 64), (2, 5, 3072), (1, 17, 96)]
@@ -258,29 +234,18 @@ def test_fused_launch_into_strided_outs():
 # Fallbacks: each branch of the dispatchers sends the call to the reference, logged once.
 
 
-def _assert_falls_back(x, y, gate, caplog, reason, fn=gated_residual):
-    out = fn(x, y, gate)
+def _assert_falls_back(x, y, gate, caplog, reason):
+    out = gated_residual(x, y, gate)
     torch.testing.assert_close(out, gated_residual_reference(x, y, gate), rtol=0, atol=0)
     assert_logged_once(caplog, OP, reason)
 
 
-def _assert_fused_falls_back(args, caplog, reason, fn=gated_residual_layernorm_modulate):
-    h, out = fn(*args)
+def _assert_fused_falls_back(args, caplog, reason):
+    h, out = gated_residual_layernorm_modulate(*args)
     h_ref, out_ref = gated_residual_layernorm_modulate_reference(*args)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
     assert_logged_once(caplog, OP_FUSED, reason)
-
-
-def test_fallback_env_switch(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
-    x, y, gate = _inputs((1, 3, 64), torch.bfloat16, seed=0)
-    _assert_falls_back(x, y, gate, fresh_log, "QWEN_TURBO_DISABLE_KERNELS")
-
-
-def test_fallback_float64(fresh_log):
-    x, y, gate = _inputs((1, 3, 64), torch.float64, seed=0)
-    _assert_falls_back(x, y, gate, fresh_log, "torch.float64")
 
 
 def test_fallback_mixed_dtypes(fresh_log):
@@ -310,56 +275,6 @@ def test_fallback_gate_shape_mismatch(fresh_log):
     _assert_falls_back(x, y, gate[:1], fresh_log, "gate of shape (1, 64) is not (B, D)")
 
 
-def test_fallback_autograd(fresh_log):
-    x, y, gate = _inputs((1, 3, 64), torch.float32, seed=0)
-    gate.requires_grad_()
-    _assert_falls_back(x, y, gate, fresh_log, "require grad")
-    gated_residual(x, y, gate).sum().backward()
-    torch.testing.assert_close(gate.grad, y.sum(1))
-
-
-def test_fallback_device(no_interpreter, fresh_log):
-    """Outside the interpreter, CPU tensors are not the kernel's."""
-    x, y, gate = _inputs((1, 3, 64), torch.float32, seed=0)
-    _assert_falls_back(x, y, gate, fresh_log, "tensors on cpu")
-
-
-def test_fallback_triton_unavailable(triton_missing, fresh_log):
-    x, y, gate = _inputs((1, 3, 64), torch.bfloat16, seed=0)
-    _assert_falls_back(x, y, gate, fresh_log, "Triton is not installed")
-
-
-def test_module_imports_without_triton(without_triton, caplog):
-    """A second copy of kernels/, imported with `import triton` failing, runs the references."""
-    copy_ = without_triton("gated_residual")
-    assert not copy_.HAS_TRITON and not hasattr(copy_, "_launch")
-    args = _inputs((1, 3, 64), torch.bfloat16, seed=0, modulation=True)
-    _assert_falls_back(*args[:3], caplog, "not installed", fn=copy_.gated_residual)
-    fused = copy_.gated_residual_layernorm_modulate
-    _assert_fused_falls_back(args, caplog, "not installed", fn=fused)
-
-
-def test_fallback_logged_once_per_reason(monkeypatch, fresh_log):
-    x, y, gate = _inputs((1, 3, 64), torch.float32, seed=0)
-    x64_args = (x.double(), y, gate)
-    all64_args = (x.double(), y.double(), gate.double())
-    assert_logged_once_per_reason(
-        monkeypatch, fresh_log, OP, gated_residual, (x, y, gate), x64_args, all64_args
-    )
-
-
-def test_fused_fallback_env_switch(monkeypatch, fresh_log):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
-    args = _inputs((1, 3, 64), torch.bfloat16, seed=0, modulation=True)
-    _assert_fused_falls_back(args, fresh_log, "QWEN_TURBO_DISABLE_KERNELS")
-    assert not fallback_messages(fresh_log, OP)  # logged under the fused op's name only
-
-
-def test_fused_fallback_residual_reason(fresh_log):
-    args = _inputs((1, 3, 64), torch.float64, seed=0, modulation=True)
-    _assert_fused_falls_back(args, fresh_log, "torch.float64")
-
-
 def test_fused_fallback_modulation_shape(fresh_log):
     x, y, gate, shift, scale = _inputs((2, 3, 64), torch.float32, seed=0, modulation=True)
     args = (x, y, gate, shift[:1], scale)
@@ -378,12 +293,6 @@ def test_wide_rows_take_the_residual_kernel(kernel_only):
     """The plain residual has no width limit: its rows are split into chunks."""
     x, y, gate = _inputs((1, 2, MAX_D + 8), torch.bfloat16, seed=0)
     _assert_close_to_fp64(gated_residual(x, y, gate), x, y, gate)
-
-
-def test_fused_fallback_autograd(fresh_log):
-    x, y, gate, shift, scale = _inputs((1, 3, 64), torch.float32, seed=0, modulation=True)
-    scale.requires_grad_()
-    _assert_fused_falls_back((x, y, gate, shift, scale), fresh_log, "require grad")
 
 
 # ComfyUI's own QwenImageTransformerBlock, its elementwise steps done by the kernels.

@@ -1,7 +1,5 @@
 """upsample_conv3x3 (phase decomposition) against interpolate + conv2d in float64."""
 
-import logging
-
 import pytest
 import torch
 
@@ -55,19 +53,6 @@ def test_phase_weights_are_exact_tap_sums():
     torch.testing.assert_close(w4[0:2, :, 1, 1], wt[:, :, 1:, 1:].sum((-1, -2)))
     # phase (1, 1): rows (i, i+1) = [W0+W1, W2]
     torch.testing.assert_close(w4[6:8, :, 0, 0], wt[:, :, :2, :2].sum((-1, -2)))
-
-
-def test_disabled_by_env_uses_reference(monkeypatch, caplog):
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
-    called = []
-    monkeypatch.setattr(op, "_upsample_conv3x3_op", lambda *a: called.append(a))
-    x, wt, b = _case(8, 4, 5, 6, torch.float32, seed=4)
-    with caplog.at_level(logging.INFO):
-        out = op.upsample_conv3x3(x, wt, b)
-        op.upsample_conv3x3(x, wt, b)
-    assert not called
-    torch.testing.assert_close(out, op.upsample_conv3x3_reference(x, wt, b))
-    assert caplog.text.count("disabled by QWEN_TURBO_DISABLE_KERNELS") <= 1
 
 
 def test_mismatched_weight_falls_back():
