@@ -1,4 +1,5 @@
-"""Runs the pack inside the real ComfyUI: locating it, tiny models, a server, workflows."""
+"""Runs the pack inside the real ComfyUI for the tests and benchmarks: locating and setting it
+up, tiny models, a server, workflows, CUDA graph stand-ins."""
 
 from .pack import register
 

@@ -1,5 +1,6 @@
 """Stand-ins for the CUDA graph backend (`runtime.graphs.capture.CudaGraphs`) that run on CPU:
-capture once, replay into the same output buffer from the static inputs."""
+capture once, replay into the same output buffer from the static inputs. `cached`: a model
+through a step-caching node."""
 
 import comfy.model_management
 import torch
