@@ -7,11 +7,12 @@ it. Random full-size weights are written as the files the workflow names, the Di
 of Comfy-Org's repackaged `qwen_image_2512_fp8_e4m3fn.safetensors` (every matrix in
 float8_e4m3fn, vectors in bf16), or for Edit-2511 of its `fp8mixed` file (block matrices in fp8
 with a scale each, the rest bf16, the `__index_timestep_zero__` marker); the LoRA is random at
-rank 64 on every linear of the blocks. The text encoder is ComfyUI's, on random weights in the
-layout of Comfy-Org's `qwen_2.5_vl_7b_fp8_scaled.safetensors` (`--text-encoder test`: seeded
-random conditioning from tests/testing_nodes instead, 256 tokens; for Edit, 256 (64 for the
-empty negative) plus 196 vision tokens per picture, the reference latents VAE-encoded inside
-that node as TextEncodeQwenImageEditPlus does). LoadImage reads a random 2048x1536 PNG written
+rank 64 on every linear of the blocks. The text encoder is replaced by seeded random
+conditioning (tests/testing_nodes), 256 tokens; for Edit, 256 (64 for the empty negative) plus
+196 vision tokens per picture, the reference latents VAE-encoded inside that node as
+TextEncodeQwenImageEditPlus does. `--text-encoder real` runs ComfyUI's CLIPLoader and text
+encode nodes instead, on random weights in the layout of Comfy-Org's
+`qwen_2.5_vl_7b_fp8_scaled.safetensors`. LoadImage reads a random 2048x1536 PNG written
 into the input folder. `--ram N` leaves N GiB of host RAM available (a ballast process holds
 the rest), as the card is simulated by filling the GPU.
 
@@ -27,7 +28,7 @@ end, and page-locked. Prints a table and JSON on the last line.
     ... --workflow qwen_image_edit_2511_2512px --cards 24 0
     ... --cards 0 --batch 1 2 4 --size 1328   (peaks per batch against ComfyUI's estimate)
     ... --workflow qwen_image_2512_hires_2512px --cards 24 16 12 --steps 4   (completion, peaks)
-    ... --dynamic-vram --cards 24 --ram 32 --new-prompts 1 --variants pack   (one process each)
+    ... --dynamic-vram --text-encoder real --cards 24 --ram 32 --new-prompts 1 --variants pack
 """
 
 import argparse
@@ -453,7 +454,7 @@ def main():
     p.add_argument("--runs", type=int, default=2, help="runs per batch size (new seeds)")
     p.add_argument("--new-prompts", type=int, default=0, help="then runs with a new prompt")
     p.add_argument(
-        "--text-encoder", choices=["real", "test"], default="real",
+        "--text-encoder", choices=["real", "test"], default="test",
         help="real: CLIPLoader and the text encode nodes on random full-size Qwen2.5-VL 7B "
              "weights; test: seeded conditioning in their place",
     )  # fmt: skip
