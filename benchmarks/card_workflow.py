@@ -471,7 +471,13 @@ def main():
         "--record-kernels", metavar="PATH",
         help="write the Triton launches of these runs as a warm-up manifest (kernels/warmup.json)",
     )  # fmt: skip
+    p.add_argument("--log", help="print ComfyUI's and the pack's log at this level (INFO)")
     a = p.parse_args()
+    if a.log:
+        import logging
+
+        logging.basicConfig(level=a.log, format="%(relativeCreated)8d ms %(name)s: %(message)s",
+                            force=True)  # fmt: skip
     models = Path(a.models)
     dynamic = start(models, a.dynamic_vram)
     import comfy.model_management as mm

@@ -8,6 +8,7 @@ reason and a note on the node's badge, and the rest of the pack keeps working.
 import importlib
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,29 @@ def reset() -> None:
     """Check again at the next `missing` call (tests that remove an internal)."""
     global _missing
     _missing = None
+
+
+def dynamic_need() -> int | None:
+    """Where ComfyUI makes room for models that all load their weights on demand (v0.33's
+    dynamic VRAM: `free_memory(for_dynamic=True)` inside `load_models_gpu`), what they need
+    free beside their weights (its `minimum_memory_required`), bytes; None elsewhere, and where
+    another node wraps either function. Read from the callers' frames: ComfyUI tells a model
+    only how much to free."""
+    import comfy.model_management as mm
+
+    free_memory = getattr(getattr(mm, "free_memory", None), "__code__", None)
+    load = getattr(getattr(mm, "load_models_gpu", None), "__code__", None)
+    if free_memory is None or load is None or "for_dynamic" not in free_memory.co_varnames:
+        return None
+    for_dynamic, frame = None, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is free_memory:
+            for_dynamic = frame.f_locals.get("for_dynamic")
+        elif frame.f_code is load:
+            need = frame.f_locals.get("minimum_memory_required")
+            return int(need) if for_dynamic is True and need is not None else None
+        frame = frame.f_back
+    return None
 
 
 def is_oom(e: BaseException) -> bool:

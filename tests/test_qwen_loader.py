@@ -1,7 +1,10 @@
 """Optimized Loader on CPU: config from the weights, the fused block against ComfyUI's and
 diffusers' blocks, weight modes, diffusers folders, LoRA on fp8, attention, clear errors."""
 
+import functools
+import inspect
 import logging
+import weakref
 
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -16,6 +19,8 @@ from qwen_turbo.nodes.loader import Loader
 from qwen_turbo.runtime.dit import blocks, config, convert, files, fp8, loader
 from tests.harness import models
 from tests.kernels.common import assert_error_rule
+
+GiB = 2**30
 
 
 def _inputs(cfg: config.DiTConfig, seed=1, h=12, w=10, tokens=7):
@@ -508,6 +513,60 @@ def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_
     key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
     patcher.pin_weight_to_device(key)
     assert comfy.utils.get_attr(patcher.model, key).data_ptr() not in mapped
+
+
+@pytest.mark.parametrize("newcomer", ["on demand", "static", "on demand, free_memory wrapped"])
+def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, narrow_sd, newcomer):
+    """ComfyUI's load_models_gpu makes room for another model (a text encoder on a new
+    prompt) by asking the loaded models to free memory. Where every model it loads takes its
+    weights on demand (v0.33's dynamic VRAM), it leaves such models loaded beside each other;
+    the Optimized Loader's model then frees only what the newcomer computes in (the load's
+    minimum, less what is free) and stays loaded. For any other newcomer, or where another node
+    wraps ComfyUI's free_memory (the pack cannot tell), it frees what is asked."""
+    if "for_dynamic" not in inspect.signature(mm.free_memory).parameters:
+        pytest.skip("this ComfyUI loads no model on demand")
+    device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    patcher.model.model_loaded_weight_memory = 50 * GiB  # as if on the card
+    resident = mm.LoadedModel(patcher)
+    resident.device, resident.real_model = device, weakref.ref(patcher.model)
+    new = comfy.model_patcher.ModelPatcher(
+        torch.nn.Module(), device, torch.device("cpu"), size=9 * GiB
+    )
+    on_demand = newcomer.startswith("on demand")
+    monkeypatch.setattr(new, "is_dynamic", lambda: on_demand)
+    monkeypatch.setattr(new, "loaded_ram_size", lambda: 0, raising=False)
+    if "wrapped" in newcomer:
+        monkeypatch.setattr(
+            mm,
+            "free_memory",
+            functools.wraps(mm.free_memory)(
+                lambda *a, free_memory=mm.free_memory, **k: free_memory(*a, **k)
+            ),
+        )
+    monkeypatch.setattr(mm, "current_loaded_models", [resident])
+    asked = []
+
+    def free(dev=None, torch_free_too=False):  # 1 GiB and what the model freed
+        n = GiB + sum(asked)
+        return (n, n) if torch_free_too else n
+
+    monkeypatch.setattr(mm, "get_free_memory", free)
+    monkeypatch.setattr(mm, "ensure_pin_budget", lambda *a, **k: True)
+    monkeypatch.setattr(mm, "ensure_pin_registerable", lambda *a, **k: True)
+
+    def weights_free(self, device_to, memory_to_free=0, *args, **kwargs):
+        asked.append(memory_to_free)
+        return memory_to_free
+
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_unload", weights_free)
+    mm.load_models_gpu([new], memory_required=3 * GiB)
+    minimum = max(mm.minimum_inference_memory(), 3 * GiB + mm.extra_reserved_memory())
+    if newcomer == "on demand":
+        assert asked == [minimum - GiB]
+    else:
+        assert asked and asked[0] >= 9 * GiB
+    assert resident in mm.current_loaded_models
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])

@@ -12,7 +12,7 @@ import comfy.model_patcher
 import comfy.utils
 import torch
 
-from .. import log_once, memory
+from .. import host, log_once, memory
 from . import streaming
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         for room this way, the graphs point at weights about to move, and ComfyUI cannot see
         them. What their release adds to ComfyUI's free count (it already counts their
         pools' unused memory) is taken off what the weights must free. Weights that go back
-        to their file mapping stay there unpinned (`pin_weight_to_device`)."""
+        to their file mapping stay there unpinned (`pin_weight_to_device`). For models that
+        load their weights on demand, only what they compute in is freed (`host.dynamic_need`)."""
         self._unloading = True
         try:
             return self._partially_unload(device_to, memory_to_free, *args, **kwargs)
@@ -132,6 +133,21 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             self._unloading = False
 
     def _partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        need = host.dynamic_need()
+        if need is not None:
+            # models loading on demand (a text encoder, a VAE under dynamic VRAM) stream
+            # their weights, as ComfyUI lets them do beside each other: this model frees
+            # only what they compute in, and keeps its weights and graphs where that is free
+            short = max(0, need - mm.get_free_memory(self.load_device))
+            if short < memory_to_free:
+                log_once(log, logging.INFO, "Optimized Loader: a model that loads its weights "
+                         "on demand got the room it computes in; this model's weights stay on "
+                         "the GPU")  # fmt: skip
+                freed = self._make_room(device_to, short, *args, **kwargs) if short else 0
+                return memory_to_free if freed >= short else freed
+        return self._make_room(device_to, memory_to_free, *args, **kwargs)
+
+    def _make_room(self, device_to, memory_to_free, *args, **kwargs):
         before = mm.get_free_memory(self.load_device)
         if not memory.drop(self.model):
             return super().partially_unload(device_to, memory_to_free, *args, **kwargs)
