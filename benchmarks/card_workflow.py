@@ -536,8 +536,8 @@ def run_cards(a, variants, models, mm, execution, report, headless) -> list[dict
                 set_latent(variants[variant], batch, a.size)
                 kinds = ["seed"] * a.runs + ["prompt"] * a.new_prompts
                 for i, kind in enumerate(kinds):
-                    if kind == "prompt":
-                        new_prompt(variants[variant], i)
+                    if kind == "prompt":  # a text no earlier run of this process had
+                        new_prompt(variants[variant], len(rows) + 1)
                     r = run_once(executor, server, variants[variant], i + 1, filler_bytes)
                     run = "first" if b == i == 0 else f"new {kind}"
                     estimate = comfy_estimate_gib(variants[variant])

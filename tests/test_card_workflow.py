@@ -119,8 +119,8 @@ def test_soak_cycles_sizes_batches_and_the_lora(comfy):
 
 def test_edit_workflow_runs_stock_and_pack(comfy):
     """qwen_image_edit_2509_2512px at 32² (references at 32², 1 step, 8 + 4 tokens): both
-    variants finish, the encodes run as nodes, and a second run (a new seed) reruns only the
-    sampler and what follows it."""
+    variants finish, the encodes run as nodes, a second run (a new seed) reruns only the
+    sampler and what follows it, and a third (a new prompt) the conditioning as well."""
     variants = card.prompts(ROOT / "workflows" / "qwen_image_edit_2509_2512px.json")
     for variant in ("stock", "pack"):
         api = variants[variant]
@@ -142,8 +142,13 @@ def test_edit_workflow_runs_stock_and_pack(comfy):
         assert later["ok"], (variant, later)
         assert sampler in later["nodes"] and encode not in later["nodes"]
         assert "QwenTurboTestEditConditioning" not in later["nodes"]
+        card.new_prompt(api, 3)
+        prompt = card.run_once(executor, server, api, 3, 0)
+        assert prompt["ok"], (variant, prompt)
+        assert {sampler, "QwenTurboTestEditConditioning"} <= prompt["nodes"].keys()
+        assert encode not in prompt["nodes"]
     saved = sorted((comfy / "output").glob("*.png"))
-    assert len(saved) == 4
+    assert len(saved) == 6
     assert all(Image.open(p).size == (32, 32) for p in saved)
 
 
