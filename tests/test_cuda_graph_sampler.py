@@ -26,8 +26,8 @@ from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 import nodes
 from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.runtime import batch_fit, memory
-from qwen_turbo.runtime.dit import files, loader
-from qwen_turbo.runtime.graphs import sampling
+from qwen_turbo.runtime.dit import files, fp8, loader
+from qwen_turbo.runtime.graphs import guard, sampling
 from qwen_turbo.runtime.graphs.cache import Graph, cache_for
 from qwen_turbo.runtime.graphs.capture import CudaGraphs
 from qwen_turbo.runtime.graphs.inputs import cond_inputs, with_cond_buffers
@@ -760,26 +760,44 @@ def _nan_attention(func, *args, **kwargs):
     return torch.full_like(func(*args, **kwargs), float("nan"))
 
 
-def test_a_latent_that_is_not_finite_runs_again_with_comfyuis_attention(dit, sent, caplog):
-    """An attention override that gives NaN (a black picture): the run goes again as KSampler
-    with ComfyUI's attention, gives what KSampler gives without the override, and the badge
-    and the log say so."""
+NAN_ARGS = (7, 2, 2.5, "euler", "simple", _cond(8, 3), _cond(8, 4))
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_a_step_that_is_not_finite_runs_again_without_graphs_or_attention_override(dit, whole_step):
+    """An attention override that gives NaN (8-bit attention on an outlier): each step, replayed
+    from a graph or captured, runs again eagerly with ComfyUI's attention, and the run gives
+    bit for bit what KSampler gives without the override."""
     model = dit.clone()
-    options = model.model_options.setdefault("transformer_options", {})
-    options["optimized_attention_override"] = _nan_attention
+    model.model_options["transformer_options"]["optimized_attention_override"] = _nan_attention
     latent = {"samples": torch.zeros((1, 16, 6, 8))}
-    args = (7, 2, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
-    with caplog.at_level(logging.WARNING):
-        out = graph_sampler.CUDAGraphSampler.execute(model, *args).result[0]["samples"]
-    want = nodes.common_ksampler(dit, *args)[0]["samples"]
+    run = model.clone()
+    finite_guard = guard.add_guard(run)
+    out, status = sampling.sample_with_graphs(run, whole_step, TracedGraphs, *NAN_ARGS, latent)
+    want = nodes.common_ksampler(dit, *NAN_ARGS, latent)[0]["samples"]
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    assert (
-        sent[-1]["graphs"] == "off (not finite: ran again as KSampler with ComfyUI's "
-        "attention, no graphs)"
+    torch.testing.assert_close(out["samples"], want, rtol=0, atol=0)
+    assert finite_guard.reruns == finite_guard.steps == 2
+    assert finite_guard.note() == (
+        "not finite: 2 of 2 steps ran again with bf16 compute and ComfyUI's attention"
     )
+
+
+def test_a_nan_in_an_fp8_block_gives_the_safe_paths_result(sent, caplog):
+    """fp8_e4m3fn_fast weights, a NaN in one block's output off the safe path: the sampler's
+    result is bit for bit that of the safe path run throughout, and the badge and the log say
+    so. (On CPU the loader computes fp8 in bf16 anyway; the GPU suite and
+    test_qwen_loader's safe-compute test show the safe path's fp8 layers.)"""
+    sd, cfg = files.read_checkpoint(models.qwen_dit_file())
+    fast = ModelSamplingAuraFlow().patch_aura(loader.build(sd, cfg, "fp8_e4m3fn_fast"), 3.1)[0]
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    with fp8.safe_compute():
+        want = nodes.common_ksampler(fast, *NAN_ARGS, latent)[0]["samples"]
+    with models.nan_in_block(fast, 0), caplog.at_level(logging.WARNING):
+        out = graph_sampler.CUDAGraphSampler.execute(fast, *NAN_ARGS, latent).result[0]
+    torch.testing.assert_close(out["samples"], want, rtol=0, atol=0)
+    assert sent[-1]["graphs"].endswith("; not finite: 2 of 2 steps ran again with bf16 compute")
     assert "not finite" in caplog.text
-    assert "optimized_attention_override" in model.model_options["transformer_options"]
 
 
 def test_a_model_whose_output_is_never_finite_stops_with_an_error(dit):
@@ -793,3 +811,13 @@ def test_a_model_whose_output_is_never_finite_stops_with_an_error(dit):
     args = (7, 1, 1.0, "euler", "simple", _cond(8, 3), _cond(8, 4), latent)
     with pytest.raises(ValueError, match="not finite .* would be black. Try the Optimized Loader"):
         graph_sampler.CUDAGraphSampler.execute(model, *args)
+
+
+def test_a_latent_not_finite_from_finite_steps_stops_with_an_error(dit, monkeypatch):
+    """A latent that is not finite although no step's output was (the sampler's own math): an
+    error, as no safe path of the model's would change it."""
+    nan = {"samples": torch.full((1, 16, 6, 8), float("nan"))}
+    monkeypatch.setattr(sampling.comfy_nodes, "common_ksampler", lambda *a, **k: (nan,))
+    latent = {"samples": torch.zeros((1, 16, 6, 8))}
+    with pytest.raises(ValueError, match="although every step's output was"):
+        graph_sampler.CUDAGraphSampler.execute(dit, *NAN_ARGS, latent)

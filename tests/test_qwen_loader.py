@@ -515,6 +515,33 @@ def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_
     assert comfy.utils.get_attr(patcher.model, key).data_ptr() not in mapped
 
 
+def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
+    """Under fp8.safe_compute an Fp8FastLinear runs no fp8 GEMM, alone, fused with its GELU or
+    sharing its input, and gives Fp8Linear's result; outside it the fp8 GEMMs run."""
+    gemms = []
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, w, *a, **k: gemms.append(x) or x[..., :4])
+    monkeypatch.setattr(fp8, "_gemv_sized", lambda x: False)
+    sd = {
+        "weight": torch.randn(4, 8).to(FP8),
+        "bias": torch.randn(4, dtype=torch.bfloat16),
+        "scale_weight": torch.tensor(0.5),
+    }
+    fast, plain = fp8.fp8_ops(fast=True).Linear(8, 4), fp8.fp8_ops(fast=False).Linear(8, 4)
+    for layer in (fast, plain):
+        layer.load_state_dict(dict(sd))
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    with fp8.safe_compute():
+        assert fp8.in_safe_compute()
+        torch.testing.assert_close(fast(x), plain(x), rtol=0, atol=0)
+        gelu = fast.linear_of_gelu(x)
+        shared = fast.linears_of_one_input(x, [fast, fast])
+    torch.testing.assert_close(gelu, plain(fp8.gelu_tanh(x)), rtol=0, atol=0)
+    assert all(torch.equal(o, plain(x)) for o in shared)
+    assert not gemms and not fp8.in_safe_compute()
+    fast(x), fast.linear_of_gelu(x), fast.linears_of_one_input(x, [fast, fast])
+    assert len(gemms) == 4
+
+
 @pytest.mark.parametrize("newcomer", ["on demand", "static", "on demand, free_memory wrapped"])
 def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, narrow_sd, newcomer):
     """ComfyUI's load_models_gpu makes room for another model (a text encoder on a new

@@ -1,6 +1,9 @@
 """fp8 Linear ops for ComfyUI's model: fp8 weights with a float32 per-tensor scale (ComfyUI's
 scaled-fp8 layout), cast per call or run as fp8 GEMMs, LoRAs patched at the same scale."""
 
+import contextlib
+import contextvars
+
 import comfy.float
 import comfy.lora
 import comfy.ops
@@ -13,6 +16,25 @@ from ...kernels.fp8_linear import FP8, FP8_MAX, fp8_gemv, fp8_linear, gelu_tanh,
 # quantization: `fp8_gemv`, bf16 activations on the fp8 weight. Activation quantization there
 # cost accuracy (H200, 60 layers: rel. error 6.5e-2 against 5.2e-2 with bf16 compute).
 GEMV_ROWS = 16
+
+
+# Set while a call runs on the safe path (`safe_compute`): fp8 GEMMs compute in bf16.
+_safe = contextvars.ContextVar("qwen_turbo_safe_compute", default=False)
+
+
+@contextlib.contextmanager
+def safe_compute():
+    """Fp8FastLinear computes as Fp8Linear inside: the weights cast to the activations' dtype,
+    no activation quantization (what the NaN guard runs a step again with)."""
+    token = _safe.set(True)
+    try:
+        yield
+    finally:
+        _safe.reset(token)
+
+
+def in_safe_compute() -> bool:
+    return _safe.get()
 
 
 def _gemv_sized(x: torch.Tensor) -> bool:
@@ -147,24 +169,33 @@ class Fp8FastLinear(Fp8Linear):
     def linears_of_one_input(self, x, linears):
         """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
         for all of them (q, k and v of one stream)."""
-        if _gemv_sized(x) or not all(
-            isinstance(linear, Fp8FastLinear)
-            and linear.weight.dtype == FP8
-            and not linear.weight_function
-            for linear in linears
+        if (
+            _safe.get()
+            or _gemv_sized(x)
+            or not all(
+                isinstance(linear, Fp8FastLinear)
+                and linear.weight.dtype == FP8
+                and not linear.weight_function
+                for linear in linears
+            )
         ):
             return [linear(x) for linear in linears]
         x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
         return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
 
+    def _lossy(self) -> bool:
+        """Whether this call runs fp8 GEMMs: not in a layer kept in bf16 (convert.in_blocks)
+        nor on the safe path."""
+        return self.weight.dtype == FP8 and not _safe.get()
+
     def forward_comfy_cast_weights(self, input):
-        if self.weight.dtype != FP8:  # a layer kept in bf16 (convert.in_blocks)
+        if not self._lossy():
             return super().forward_comfy_cast_weights(input)
         return self._fp8(input)
 
     def linear_of_gelu(self, x):
         """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
-        if self.weight.dtype != FP8:
+        if not self._lossy():
             return self(gelu_tanh(x))
         return self._fp8(x, gelu_input=True)
 

@@ -17,6 +17,7 @@ such as ControlNet inputs, code that `policy` keeps out, a failed capture) runs 
 the reason logged once.
 """
 
+import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
@@ -50,12 +51,19 @@ def weights_signature(model: torch.nn.Module) -> int:
 _taken = contextvars.ContextVar("qwen_turbo_graph_taken", default=False)
 
 
-def _taking(executor, *args, **kwargs):
+@contextlib.contextmanager
+def eager():
+    """Every runner inside passes its calls through: no capture, no replay."""
     token = _taken.set(True)
     try:
-        return executor(*args, **kwargs)
+        yield
     finally:
         _taken.reset(token)
+
+
+def _taking(executor, *args, **kwargs):
+    with eager():
+        return executor(*args, **kwargs)
 
 
 def innermost_free(options: dict) -> bool:
@@ -186,6 +194,8 @@ class StepRunner(GraphRunner):
     level = "predict_noise"
 
     def __call__(self, executor, x, timestep, model_options, seed=None):
+        if _taken.get():
+            return executor(x, timestep, model_options, seed)
         guider = executor.class_obj
         model = guider.inner_model
         cache = cache_for(model)

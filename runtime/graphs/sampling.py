@@ -1,19 +1,19 @@
 """The CUDA Graph Sampler's run: KSampler with the graph runners on a clone of the model. After
 an out-of-memory error it drops every graph and runs again as KSampler; after a run, the
-graphs stay only where they leave ComfyUI the room it counts on. A latent that is not finite
-(a black picture) runs again on the safe path, or stops with an error that says so."""
+graphs stay only where they leave ComfyUI the room it counts on. Each step's output is
+checked for NaN and Inf (`guard`)."""
 
 import logging
 from contextlib import contextmanager
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
-import torch
 
 import nodes as comfy_nodes
 
 from .. import batch_fit, host, log_once, memory
 from ..dit.loader import host_estimate
+from . import guard
 from .cache import count_run, trim_graphs
 from .capture import CudaGraphs
 from .runners import KEY, install
@@ -26,7 +26,8 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
            latent_image, denoise=1.0):  # fmt: skip
     """The node's run: (latent, the batch-fit note, the graph status for the badge). `capture`
     is one of CAPTURE_MODES; off, on a model that runs on no CUDA device, or on a host that
-    lacks an internal the runners rely on, it is KSampler."""
+    lacks an internal the runners rely on, it is KSampler. Either way each step's output is
+    checked (`guard`)."""
     args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
     missing = host.missing("cuda_graphs")
     cuda = model.load_device.type == "cuda"
@@ -34,6 +35,8 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
         batch_fit.check(model, latent_image["samples"], positive, negative)
         if cuda else (None, None)
     )  # fmt: skip
+    model = model.clone()
+    finite_guard = guard.add_guard(model)
     with named_errors(model, latent_image, fit):
         if capture != "off" and cuda and missing is None:
             whole_step = capture == "whole CFG step"
@@ -44,44 +47,14 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
             latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
             off = "capture off" if capture == "off" else f"runs on {model.load_device.type}"
             graphs = f"off ({missing or off})"
-        if not finite(latent):
-            latent, graphs = safe_rerun(model, args, denoise)
-    return latent, note, graphs
-
-
-ATTENTION_OVERRIDE = "optimized_attention_override"
-
-
-def finite(latent: dict) -> bool:
-    """Whether the sampled latent holds no NaN or Inf (one reduction per run)."""
-    samples = latent["samples"]
-    parts = samples.unbind() if getattr(samples, "is_nested", False) else [samples]
-    return all(bool(torch.isfinite(t).all()) for t in parts)
-
-
-def safe_rerun(model, args: tuple, denoise: float) -> tuple[dict, str]:
-    """After a latent that is not finite: KSampler again without graphs and with ComfyUI's own
-    attention in place of an override (the Optimized Loader's fp8 attention); the latent and
-    the badge's note. Raises a ValueError saying what to try where that is not finite either:
-    the picture would be black."""
-    options = model.model_options.get("transformer_options", {})
-    overridden = ATTENTION_OVERRIDE in options
-    how = " with ComfyUI's attention" if overridden else ""
-    log.warning("CUDA Graph Sampler: the sampled latent is not finite (NaN or Inf); running "
-                "again as KSampler%s", how)  # fmt: skip
-    safe = model.clone()
-    safe.model_options["transformer_options"] = {
-        k: v for k, v in options.items() if k != ATTENTION_OVERRIDE
-    }
-    latent = comfy_nodes.common_ksampler(safe, *args, denoise=denoise)[0]
-    if not finite(latent):
+    if not guard.finite(latent["samples"]):  # not from the model's output: no safe path
         raise ValueError(
-            "CUDA Graph Sampler: the model's output is not finite (NaN or Inf), also run again "
-            f"as KSampler{how}; the picture would be black. Try the Optimized Loader with "
-            "weight_dtype bf16 and attention sdpa, a lower cfg, or no LoRA; check the model file."
+            "CUDA Graph Sampler: the sampled latent is not finite (NaN or Inf) although every "
+            "step's output was; the picture would be black. Try another sampler or scheduler, "
+            "or a lower cfg."
         )
-    what = "ComfyUI's attention, no graphs" if overridden else "no graphs"
-    return latent, f"off (not finite: ran again as KSampler with {what})"
+    rerun = finite_guard.note()
+    return latent, note, f"{graphs}; {rerun}" if rerun else graphs
 
 
 @contextmanager

@@ -5,6 +5,7 @@ names and shapes; the weights come from a seeded generator. Files are cached out
 repo, under $QWEN_TURBO_CACHE or ~/.cache/qwen-turbo/test-models, keyed by name.
 """
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -270,3 +271,23 @@ def models_tree(root: Path) -> Path:
             if not link.exists():
                 link.symlink_to(f)
     return root
+
+
+@contextlib.contextmanager
+def nan_in_block(patcher, index: int):
+    """Transformer block `index` of `patcher`'s diffusion model gives NaN hidden states, off the
+    NaN guard's safe path only (as an fp8 overflow would)."""
+    from qwen_turbo.runtime.dit import fp8
+
+    def hook(module, args, out):
+        if fp8.in_safe_compute():
+            return out
+        encoder, hidden = out
+        return encoder, torch.full_like(hidden, float("nan"))
+
+    block = patcher.model.diffusion_model.transformer_blocks[index]
+    handle = block.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
