@@ -87,3 +87,22 @@ def test_caching_nodes_and_graphs_add_up(cache, mode):
     name = {"easycache": "EasyCache", "lazycache": "LazyCache"}[cache]
     skipped = int(row["status"].split(f"{name} skipped ")[1].split(" of ")[0])
     assert skipped > 0, row["status"]
+
+
+def test_a_nan_in_a_block_gives_the_safe_paths_result_on_the_gpu():
+    """The bundled workflows' model (fp8 GEMMs, fp8_cudnn attention, whole-step graphs), a NaN in
+    block 0 off the safe path: every step runs again, and the latent is bit for bit that of
+    KSampler on the safe path (bf16 compute, ComfyUI's attention)."""
+    env = dict(os.environ, COMFYUI_PATH=str(COMFY))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "nan_guard.py"), "--layers", "2",
+         "--sizes", "512", "--steps", "3", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    assert row["nan_equal_safe_path"], row
+    assert row["badge"].endswith("not finite: 3 of 3 steps ran again with bf16 compute and "
+                                 "ComfyUI's attention"), row  # fmt: skip
+    assert row["safe_path_rel_l2_to_lossy"] > 0, row
