@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def write_models(root: Path, api: dict) -> None:
         vae.parent.mkdir(parents=True, exist_ok=True)
         save_file(bench.random_state_dict(bench.qwen_vae_module(), seed=0), str(vae))
     torch.cuda.empty_cache()
+    os.sync()  # written back, clean, as downloaded files are
 
 
 def write_text_encoder(path: Path) -> None:

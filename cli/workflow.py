@@ -9,8 +9,9 @@ VIRTUAL = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 
-def _widget_inputs(info: dict) -> list[tuple[str, bool]]:
-    """(name, has a control_after_generate widget) for each widget input, in widget order."""
+def _widget_inputs(info: dict) -> list[tuple[str, bool, bool]]:
+    """(name, has a control_after_generate widget, optional) for each widget input, in widget
+    order."""
     spec = info["input"]
     order = info.get("input_order") or {k: list(v) for k, v in spec.items() if k != "hidden"}
     out = []
@@ -22,7 +23,7 @@ def _widget_inputs(info: dict) -> list[tuple[str, bool]]:
                 control = opts.get("control_after_generate") or (
                     kind == "INT" and name in SEED_NAMES
                 )
-                out.append((name, bool(control)))
+                out.append((name, bool(control), group == "optional"))
     return out
 
 
@@ -39,12 +40,14 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
         inputs = {}
         values = list(node.get("widgets_values") or [])
         widgets = _widget_inputs(object_info[kind])
-        expected = sum(2 if control else 1 for _, control in widgets)
-        if len(values) != expected:
+        # a workflow saved before a node gained optional widgets lacks their values: defaults
+        counts = [sum(2 if c else 1 for _, c, _ in widgets[:n]) for n in range(len(widgets) + 1)]
+        fewest = counts[sum(1 for *_, optional in widgets if not optional)]
+        if len(values) not in counts or len(values) < fewest:
             raise ValueError(
-                f"node {node['id']} ({kind}): {len(values)} widget values, expected {expected}"
+                f"node {node['id']} ({kind}): {len(values)} widget values, expected {counts[-1]}"
             )
-        for name, control in widgets:
+        for name, control, _ in widgets[: counts.index(len(values))]:
             inputs[name] = values.pop(0)
             if control:
                 values.pop(0)

@@ -48,20 +48,37 @@ class Loader(io.ComfyNode):
                     tooltip="regional: torch.compile each transformer block. The first run "
                     "at each size waits for the compile; little gain on top of fused_kernels.",
                 ),
+                io.Boolean.Input(
+                    "quality_guard", default=True, optional=True,
+                    tooltip="With fp8 compute or fp8 attention: at the first sampling with this "
+                    "file, measure each transformer block against bf16 compute on a small "
+                    "picture; blocks that differ by more than quality_threshold run in bf16. "
+                    "The result is kept per file; the badge and the log show it.",
+                ),
+                io.Float.Input(
+                    "quality_threshold", default=loader.DEFAULT_THRESHOLD, min=0.01, max=1.0,
+                    step=0.01, optional=True,
+                    tooltip="The relative error of a block's output above which it runs in bf16.",
+                ),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, for any sampler node.")],
             hidden=[io.Hidden.unique_id],
         )  # fmt: skip
 
     @classmethod
-    def execute(cls, unet_name, weight_dtype, attention, fused_kernels, compile) -> io.NodeOutput:
+    def execute(
+        cls, unet_name, weight_dtype, attention, fused_kernels, compile, quality_guard=True,
+        quality_threshold=loader.DEFAULT_THRESHOLD,
+    ) -> io.NodeOutput:  # fmt: skip
         try:
             with report.measured(cls) as extra:
-                model = loader.load(unet_name, weight_dtype, attention, fused_kernels, compile)
+                model = loader.load(unet_name, weight_dtype, attention, fused_kernels, compile,
+                                    quality_guard, quality_threshold)  # fmt: skip
                 state = model.model.qwen_turbo
                 extra["weights"] = state.weights
-                if state.notes:
-                    extra["note"] = "; ".join(state.notes)
+                notes = [*state.notes, *([state.fidelity] if state.fidelity else [])]
+                if notes:
+                    extra["note"] = "; ".join(notes)
         except loader.USER_ERRORS as e:
             raise ValueError(f"Optimized Loader: {unet_name}: {e}") from None
         return io.NodeOutput(model)

@@ -104,6 +104,31 @@ def test_prompt_and_seed_reach_every_sampler():
     assert api["3"]["inputs"]["seed"] == 5 and api["1"]["inputs"]["text"] == "a cat"
 
 
+def test_a_workflow_saved_before_a_node_gained_optional_widgets_converts():
+    """The Optimized Loader's five widget values from before quality_guard and
+    quality_threshold: they take their defaults (the inputs are left out); fewer values than
+    the required widgets, or more than all, is an error."""
+    from qwen_turbo.cli.workflow import object_info, ui_to_api
+    from qwen_turbo.nodes.loader import Loader
+
+    info = object_info({"QwenTurboLoader": Loader})
+    old = ["q.safetensors", "fp8_e4m3fn_fast", "fp8_cudnn", True, "off"]
+    for values, taken in ((old, 5), ([*old, False, 0.3], 7)):
+        ui = {"nodes": [{"id": 1, "type": "QwenTurboLoader", "widgets_values": values}]}
+        inputs = ui_to_api(ui, info)["1"]["inputs"]
+        assert list(inputs.values()) == values[:taken]
+    assert (
+        "quality_guard"
+        not in ui_to_api(
+            {"nodes": [{"id": 1, "type": "QwenTurboLoader", "widgets_values": old}]}, info
+        )["1"]["inputs"]
+    )
+    for values in (old[:4], [*old, False, 0.3, 1]):
+        ui = {"nodes": [{"id": 1, "type": "QwenTurboLoader", "widgets_values": values}]}
+        with pytest.raises(ValueError, match="widget values, expected 7"):
+            ui_to_api(ui, info)
+
+
 @pytest.fixture
 def executor_setup(models_dir, tmp_path, monkeypatch):
     """ComfyUI's node table with the pack's and the test conditioning; the tiny models as the

@@ -234,6 +234,37 @@ def test_file_backed_tells_file_mappings_from_memory(tmp_path):
     assert backed == {mapped.data_ptr(), mapped[4096:].data_ptr()}
 
 
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of the pages under `t` are in memory (Linux's mincore)."""
+    import ctypes
+
+    start, end = t.data_ptr() // 4096 * 4096, -(-(t.data_ptr() + t.nbytes) // 4096) * 4096
+    vec = (ctypes.c_ubyte * ((end - start) // 4096))()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_file_cache_of_weights_elsewhere_goes_back_where_ram_is_short(tmp_path, monkeypatch, short):
+    """page_out drops the file pages under a mapped tensor where the host has less RAM
+    available than the tensor and PAGE_CACHE_ROOM (the kernel keeps a large folio that the
+    tensor covers only in part); elsewhere nothing. The tensor still reads the file's data."""
+    import os
+
+    path = tmp_path / "w.bin"
+    data = os.urandom(16 << 20)
+    path.write_bytes(data)
+    os.sync()  # written back: clean pages, as a downloaded model's
+    mapped = torch.from_file(str(path), shared=False, size=16 << 20, dtype=torch.uint8)
+    view = mapped[100 : (8 << 20) + 100]
+    assert int(view.sum()) > 0 and _resident_pages(view) == 2049  # read: cached
+    monkeypatch.setattr(streaming, "PAGE_CACHE_ROOM", (1 << 50) if short else 0)
+    asked = streaming.page_out([view])
+    assert asked == ((8 << 20) - 4096 if short else 0)
+    assert (_resident_pages(view) < 1024) if short else (_resident_pages(view) == 2049)
+    assert bytes(view[:4096].tolist()) == data[100:4196]
+
+
 @pytest.mark.parametrize("nbytes", [2, 4097, 4098, 3 * 4096 + 2, (1 << 20) + 12345])
 def test_uploader_fill_copies_every_byte(nbytes):
     """The threads' page-aligned parts of the buffer cover the tensor exactly, odd sizes too

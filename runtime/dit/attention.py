@@ -68,10 +68,11 @@ def quantized(kernel):
 QUANTIZED = {"fp8_cudnn": attention_fp8}
 
 
-def attention_override(name: str, amax_group=None):
+def attention_override(name: str, amax_group=None, safe_blocks: set[int] = frozenset()):
     """A `transformer_options["optimized_attention_override"]` running backend `name`; a
     quantized one with the scales of all ranks of the process group `amax_group` (see
-    `attention_fp8`)."""
+    `attention_fp8`). Transformer blocks in `safe_blocks` (read at each call) take ComfyUI's
+    attention."""
     if name in QUANTIZED:
         group = register_amax_group(amax_group) if amax_group is not None else ""
         core = quantized(functools.partial(QUANTIZED[name], amax_group=group))
@@ -80,6 +81,8 @@ def attention_override(name: str, amax_group=None):
     attention = comfy_signature(core)
 
     def override(func, *args, **kwargs):
+        if safe_blocks and kwargs.get("transformer_options", {}).get("block_index") in safe_blocks:
+            return func(*args, **kwargs)
         kwargs.pop("_inside_attn_wrapper", None)
         kwargs.pop("transformer_options", None)
         return attention(*args, **kwargs)

@@ -23,10 +23,11 @@ _safe = contextvars.ContextVar("qwen_turbo_safe_compute", default=False)
 
 
 @contextlib.contextmanager
-def safe_compute():
+def safe_compute(on: bool = True):
     """Fp8FastLinear computes as Fp8Linear inside: the weights cast to the activations' dtype,
-    no activation quantization (what the NaN guard runs a step again with)."""
-    token = _safe.set(True)
+    no activation quantization (what the NaN guard runs a step again with); with `on` False,
+    as it would outside."""
+    token = _safe.set(on)
     try:
         yield
     finally:
@@ -146,6 +147,8 @@ class Fp8FastLinear(Fp8Linear):
     """Fp8Linear with fp8 GEMMs: per-row activation scales, `fp8_gemv` for the few-row
     modulation inputs, the GELU fused into the activation quantization."""
 
+    bf16_compute = False  # set in the blocks the fidelity probe keeps on the safe path
+
     def _scale_row(self, device) -> torch.Tensor:
         """scale_weight as the (1, N) float32 row _scaled_mm takes, made once per scale
         tensor and device instead of on every call."""
@@ -169,24 +172,18 @@ class Fp8FastLinear(Fp8Linear):
     def linears_of_one_input(self, x, linears):
         """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
         for all of them (q, k and v of one stream)."""
-        if (
-            _safe.get()
-            or _gemv_sized(x)
-            or not all(
-                isinstance(linear, Fp8FastLinear)
-                and linear.weight.dtype == FP8
-                and not linear.weight_function
-                for linear in linears
-            )
+        if _gemv_sized(x) or not all(
+            isinstance(linear, Fp8FastLinear) and linear._lossy() and not linear.weight_function
+            for linear in linears
         ):
             return [linear(x) for linear in linears]
         x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
         return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
 
     def _lossy(self) -> bool:
-        """Whether this call runs fp8 GEMMs: not in a layer kept in bf16 (convert.in_blocks)
-        nor on the safe path."""
-        return self.weight.dtype == FP8 and not _safe.get()
+        """Whether this call runs fp8 GEMMs: not in a layer kept in bf16 (convert.in_blocks),
+        nor in a block the fidelity probe keeps on the safe path, nor on the safe path."""
+        return self.weight.dtype == FP8 and not self.bf16_compute and not _safe.get()
 
     def forward_comfy_cast_weights(self, input):
         if not self._lossy():

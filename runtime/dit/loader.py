@@ -6,17 +6,20 @@ the Optimized Loader node calls."""
 import contextlib
 import inspect
 import logging
+from pathlib import Path
 
 import comfy.ldm.qwen_image.model as qwen_model
 import comfy.model_management as mm
+import comfy.patcher_extension as pe
 import comfy.supported_models
 import comfy.utils
+import folder_paths
 import torch
 
 from ...kernels import warmup
 from .. import host, log_once
-from . import blocks, convert, files, streaming
-from .attention import attention_override
+from . import blocks, convert, files, probe, streaming
+from .attention import QUANTIZED, attention_override
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
 from .patcher import LoaderState, Patcher
@@ -28,6 +31,10 @@ ATTENTION = ["auto", "sdpa", "flash", "fp8_cudnn"]
 COMPILE = ["off", "regional"]
 SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"  # object patch on each block's `forward`
+PROBE_KEY = "qwen_turbo_fidelity_probe"
+# A block whose lossy contribution differs from the safe path's by more than this (relative L2)
+# is kept on the safe path.
+DEFAULT_THRESHOLD = 0.15
 # ComfyUI's estimate of what a Qwen-Image call needs beside the weights (BaseModel.
 # memory_required, memory_usage_factor 1.8) is about twice what the bundled workflows' settings
 # take (fp8_e4m3fn_fast, fused blocks, fp8_cudnn): per 2512² picture 1.65 GiB resident and
@@ -157,7 +164,47 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
 def set_attention(patcher, attention: str) -> None:
     if attention != "auto":
         options = patcher.model_options.setdefault("transformer_options", {})
-        options["optimized_attention_override"] = attention_override(attention)
+        safe = patcher.model.qwen_turbo.safe_blocks
+        options["optimized_attention_override"] = attention_override(attention, safe_blocks=safe)
+
+
+def fidelity_cache() -> probe.Cache:
+    return probe.Cache(Path(folder_paths.get_user_directory()) / "qwen_turbo" / "fidelity.json")
+
+
+def guard_fidelity(patcher, path: Path, setting: str, threshold: float) -> None:
+    """The fidelity probe for a model with lossy compute: its cached result applied now, or
+    the probe run at the first sampling (SAMPLER_SAMPLE: the weights are on the GPU by then),
+    then cached. The result is logged and in `LoaderState.fidelity` for the badges."""
+    state = patcher.model.qwen_turbo
+    key = probe.cache_key(path, f"{setting}, threshold {threshold}")
+    found = fidelity_cache().get(key)
+    if found is not None:
+        probe.apply(patcher.model, found.kept)
+        state.fidelity = found.summary()
+        log.info("Optimized Loader: %s: %s (fidelity probe, cached)", path.name, state.fidelity)
+        return
+
+    def run_probe(executor, guider, *args, **kwargs):
+        if state.fidelity is None:
+            options = guider.model_options.get("transformer_options", {})
+            override = options.get(probe.ATTENTION_OVERRIDE)
+            model = guider.model_patcher
+            try:
+                result = probe.measure(model.model, model.load_device, override, threshold)
+            except Exception as e:  # the picture goes on without it, lossy as set
+                why = "out of memory" if host.is_oom(e) else f"{type(e).__name__}: {e}"
+                state.fidelity = "fidelity probe skipped"
+                log.warning("Optimized Loader: %s: fidelity probe skipped (%s)", path.name, why)
+                mm.soft_empty_cache()
+            else:
+                state.fidelity = result.summary()
+                fidelity_cache().put(key, result)
+                log.info("Optimized Loader: %s: %s (fidelity probe, %.2f s)", path.name,
+                         state.fidelity, result.seconds)  # fmt: skip
+        return executor(guider, *args, **kwargs)
+
+    patcher.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, PROBE_KEY, run_probe)
 
 
 def compile_blocks(patcher) -> None:
@@ -178,9 +225,11 @@ def _host_allows(feature: str, setting: str, notes: list[str]) -> bool:
     return why is None
 
 
-def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off"):
+def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, compile="off",
+         quality_guard=True, threshold=DEFAULT_THRESHOLD):  # fmt: skip
     """The Optimized Loader: a MODEL that every stock node accepts. Settings this host cannot
-    run are turned off; `patcher.model.qwen_turbo.notes` says which and why."""
+    run are turned off; `patcher.model.qwen_turbo.notes` says which and why. With
+    `quality_guard`, lossy compute on a GPU is checked by the fidelity probe (`guard_fidelity`)."""
     warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
     path = files.resolve(name)
     sd, config = files.read_checkpoint(path)
@@ -207,4 +256,10 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
         compile_blocks(patcher)
     state.notes = notes
+    options = patcher.model_options.get("transformer_options", {})
+    attention = getattr(options.get("optimized_attention_override"), "backend", "auto")
+    lossy = state.weights == "fp8_e4m3fn_fast" or attention in QUANTIZED
+    if quality_guard and lossy and patcher.load_device.type == "cuda":
+        setting = f"{state.weights}, {attention} attention, fused {fused}"
+        guard_fidelity(patcher, path, setting, threshold)
     return patcher

@@ -42,6 +42,10 @@ class LoaderState:
     # data pointers of the weights that are views of comfy-aimdo's file mapping (v0.33's
     # dynamic VRAM); empty otherwise
     mapped: set[int] = field(default_factory=set)
+    # transformer blocks that compute on the safe path (the fidelity probe's `kept`), and the
+    # probe's summary for the badge; None until it ran or was read from its cache
+    safe_blocks: set[int] = field(default_factory=set)
+    fidelity: str | None = None
 
 
 class Patcher(comfy.model_patcher.ModelPatcher):
@@ -78,11 +82,21 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         if self._uploader is not None:
             self._backed = streaming.file_backed(self.model.parameters())
         try:
-            return super().load(device_to, *args, **kwargs)
+            out = super().load(device_to, *args, **kwargs)
         finally:
             if self._uploader is not None:
                 self._uploader.close()
             self._uploader = None
+        self._page_out([host for host, _ in self.model.qwen_turbo.hosts.values()])
+        return out
+
+    def _page_out(self, tensors) -> None:
+        """Views of a file mapping whose data is elsewhere now: their file cache goes where
+        RAM is short (`streaming.page_out`)."""
+        asked = streaming.page_out(tensors)
+        if asked:
+            log_once(log, logging.INFO, "Optimized Loader: host RAM is short; the file "
+                     "cache of weights on the GPU or copied goes back to the OS")  # fmt: skip
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
         """ComfyUI's, from a copy the uploader made where `load` has one: the weight's own
@@ -174,4 +188,5 @@ class Patcher(comfy.model_patcher.ModelPatcher):
                 return
             mapped.discard(weight.data_ptr())
             comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
+            self._page_out([weight])
         super().pin_weight_to_device(key)

@@ -288,6 +288,36 @@ def file_backed(tensors) -> set[int]:
     return backed
 
 
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages are dropped)
+# The file cache of weights now on the GPU is kept only where the host has this much room
+# beside it: a text encoder and a VAE, streamed from their own files, need their pages cached.
+PAGE_CACHE_ROOM = 16 << 30
+
+
+def page_out(tensors: list[torch.Tensor]) -> int:
+    """Where host RAM is short (less available than the tensors' bytes and PAGE_CACHE_ROOM),
+    ask the OS to drop the pages of `tensors` (views of a file mapping whose data is on the
+    GPU now): their file cache would push out that of the files read next. Whole pages
+    inside each tensor only; a later read takes them from the file again. The bytes asked."""
+    import psutil
+
+    nbytes = sum(t.nbytes for t in tensors)
+    if not nbytes or psutil.virtual_memory().available >= nbytes + PAGE_CACHE_ROOM:
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    page, asked = 4096, 0
+    for t in tensors:
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.nbytes) // page * page
+        if end > start and madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                   MADV_PAGEOUT) == 0:  # fmt: skip
+            asked += end - start
+    return asked
+
+
 STAGE_MIN = 1 << 20  # smaller tensors gain too little from staging to pay its setup
 STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer small
 # Threads filling the buffer. torch's CPU copy takes every core, and with 6 of 16 busy (as a

@@ -53,8 +53,9 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
             "step's output was; the picture would be black. Try another sampler or scheduler, "
             "or a lower cfg."
         )
-    rerun = finite_guard.note()
-    return latent, note, f"{graphs}; {rerun}" if rerun else graphs
+    state = getattr(model.model, "qwen_turbo", None)  # the Optimized Loader's model
+    notes = [graphs, finite_guard.note(), getattr(state, "fidelity", None)]
+    return latent, note, "; ".join(filter(None, notes))
 
 
 @contextmanager

@@ -291,3 +291,18 @@ def nan_in_block(patcher, index: int):
         yield
     finally:
         handle.remove()
+
+
+def with_outliers(sd: dict, blocks, scale: float = 100.0, channels: int = 4) -> dict:
+    """`sd` with outlier channels in the attention of `blocks`, as trained weights have: the
+    first `channels` gains of each q and k RMSNorm (image and text) times `scale`, so those
+    channels of q and k run `scale` times the median."""
+    out = dict(sd)
+    for b in blocks:
+        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            key = f"transformer_blocks.{b}.attn.{name}.weight"
+            key = next(k for k in sd if k.endswith(key))
+            gain = sd[key].clone()
+            gain[:channels] *= scale
+            out[key] = gain
+    return out
