@@ -517,7 +517,8 @@ def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_
 
 def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
     """Under fp8.safe_compute an Fp8FastLinear runs no fp8 GEMM, alone, fused with its GELU or
-    sharing its input, and gives Fp8Linear's result; outside it the fp8 GEMMs run."""
+    sharing its input, and gives Fp8Linear's result; outside it the fp8 GEMMs run. A layer the
+    fidelity probe keeps computes as on the safe path, except inside without_kept_blocks."""
     gemms = []
     monkeypatch.setattr(fp8, "fp8_linear", lambda x, w, *a, **k: gemms.append(x) or x[..., :4])
     monkeypatch.setattr(fp8, "_gemv_sized", lambda x: False)
@@ -540,6 +541,12 @@ def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
     assert not gemms and not fp8.in_safe_compute()
     fast(x), fast.linear_of_gelu(x), fast.linears_of_one_input(x, [fast, fast])
     assert len(gemms) == 4
+    fast.bf16_compute = True  # a block the fidelity probe keeps: bf16 compute, as Fp8Linear
+    torch.testing.assert_close(fast(x), plain(x), rtol=0, atol=0)
+    assert len(gemms) == 4
+    with fp8.without_kept_blocks():  # Multi-GPU's ranks: every block as loaded
+        fast(x)
+    assert len(gemms) == 5
 
 
 @pytest.mark.parametrize("newcomer", ["on demand", "static", "on demand, free_memory wrapped"])

@@ -34,6 +34,21 @@ def safe_compute(on: bool = True):
         _safe.reset(token)
 
 
+# Cleared inside `without_kept_blocks`.
+_kept = contextvars.ContextVar("qwen_turbo_kept_blocks", default=True)
+
+
+@contextlib.contextmanager
+def without_kept_blocks():
+    """The blocks the fidelity probe keeps in bf16 compute run fp8 GEMMs inside, as the others
+    (Multi-GPU: its workers' models keep none, and every rank must compute alike)."""
+    token = _kept.set(False)
+    try:
+        yield
+    finally:
+        _kept.reset(token)
+
+
 def in_safe_compute() -> bool:
     return _safe.get()
 
@@ -183,7 +198,8 @@ class Fp8FastLinear(Fp8Linear):
     def _lossy(self) -> bool:
         """Whether this call runs fp8 GEMMs: not in a layer kept in bf16 (convert.in_blocks),
         nor in a block the fidelity probe keeps on the safe path, nor on the safe path."""
-        return self.weight.dtype == FP8 and not self.bf16_compute and not _safe.get()
+        kept = self.bf16_compute and _kept.get()
+        return self.weight.dtype == FP8 and not kept and not _safe.get()
 
     def forward_comfy_cast_weights(self, input):
         if not self._lossy():

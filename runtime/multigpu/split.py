@@ -298,7 +298,10 @@ def run_share(call: Call, tensors, options: dict, rank: int, groups_cache: dict,
     tensors = [_share(t, batch, call.groups, group) for t in tensors]
     if call.size > 1:
         options = SeqParallel(sp, call.size, rank % call.size).options(options, call.blocks)
-    out = forward(*_fill(args, tensors, options), **_fill(kwargs, tensors, options))
+    from ..dit import fp8  # here: a worker imports ComfyUI only once its device is set
+
+    with fp8.without_kept_blocks():  # as every rank's model computes
+        out = forward(*_fill(args, tensors, options), **_fill(kwargs, tensors, options))
     if out.shape != shape:
         raise RuntimeError(f"Multi-GPU: the model's output {tuple(out.shape)} is not {shape}")
     return out.to(dtype).contiguous()
