@@ -247,7 +247,7 @@ def _resident_pages(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("short", [True, False])
 def test_file_cache_of_weights_elsewhere_goes_back_where_ram_is_short(tmp_path, monkeypatch, short):
     """page_out drops the file pages under a mapped tensor where the host has less RAM
-    available than the tensor and PAGE_CACHE_ROOM (the kernel keeps a large folio that the
+    available than the model and PAGE_CACHE_ROOM (the kernel keeps a large folio that the
     tensor covers only in part); elsewhere nothing. The tensor still reads the file's data."""
     import os
 
@@ -259,7 +259,7 @@ def test_file_cache_of_weights_elsewhere_goes_back_where_ram_is_short(tmp_path, 
     view = mapped[100 : (8 << 20) + 100]
     assert int(view.sum()) > 0 and _resident_pages(view) == 2049  # read: cached
     monkeypatch.setattr(streaming, "PAGE_CACHE_ROOM", (1 << 50) if short else 0)
-    asked = streaming.page_out([view])
+    asked = streaming.page_out([view], 1 << 20)
     assert asked == ((8 << 20) - 4096 if short else 0)
     assert (_resident_pages(view) < 1024) if short else (_resident_pages(view) == 2049)
     assert bytes(view[:4096].tolist()) == data[100:4196]

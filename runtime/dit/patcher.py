@@ -87,13 +87,15 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             if self._uploader is not None:
                 self._uploader.close()
             self._uploader = None
-        self._page_out([host for host, _ in self.model.qwen_turbo.hosts.values()])
+        mapped = [host for host, _ in self.model.qwen_turbo.hosts.values()]
+        mapped += [b.weight for b in self.backup.values() if b.weight.data_ptr() in self._backed]
+        self._page_out(mapped)
         return out
 
     def _page_out(self, tensors) -> None:
         """Views of a file mapping whose data is elsewhere now: their file cache goes where
         RAM is short (`streaming.page_out`)."""
-        asked = streaming.page_out(tensors)
+        asked = streaming.page_out(tensors, self.model_size())
         if asked:
             log_once(log, logging.INFO, "Optimized Loader: host RAM is short; the file "
                      "cache of weights on the GPU or copied goes back to the OS")  # fmt: skip

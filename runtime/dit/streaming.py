@@ -294,15 +294,15 @@ MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages are d
 PAGE_CACHE_ROOM = 16 << 30
 
 
-def page_out(tensors: list[torch.Tensor]) -> int:
-    """Where host RAM is short (less available than the tensors' bytes and PAGE_CACHE_ROOM),
-    ask the OS to drop the pages of `tensors` (views of a file mapping whose data is on the
-    GPU now): their file cache would push out that of the files read next. Whole pages
-    inside each tensor only; a later read takes them from the file again. The bytes asked."""
+def page_out(tensors: list[torch.Tensor], model_bytes: int) -> int:
+    """Where host RAM is short (less available than the model's bytes and PAGE_CACHE_ROOM),
+    ask the OS to drop the pages of `tensors` (views of the model's file mapping whose data
+    is elsewhere now): their file cache would push out that of the files read next. Whole
+    pages inside each tensor only; a later read takes them from the file again. The bytes
+    asked."""
     import psutil
 
-    nbytes = sum(t.nbytes for t in tensors)
-    if not nbytes or psutil.virtual_memory().available >= nbytes + PAGE_CACHE_ROOM:
+    if not tensors or psutil.virtual_memory().available >= model_bytes + PAGE_CACHE_ROOM:
         return 0
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
