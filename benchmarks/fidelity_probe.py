@@ -60,18 +60,21 @@ def main():
     def forward(patcher):
         return bench.forward_fn(patcher, a.size)().float()
 
-    def done(*patchers):
-        del patchers
+    def unload():
         mm.unload_all_models()
         gc.collect()
         torch.cuda.empty_cache()
 
     rows = []
     for name, sd in (("random", clean), ("outliers", injected)):
-        ref = forward(stock := loaded(STOCK, sd))
-        done(stock)
-        bf16 = bench.rel_l2(forward(model := loaded(BF16_COMPUTE, sd)), ref)
-        done(model)
+        model = loaded(STOCK, sd)
+        ref = forward(model)
+        del model
+        unload()
+        model = loaded(BF16_COMPUTE, sd)
+        bf16 = bench.rel_l2(forward(model), ref)
+        del model
+        unload()
         model = loaded(LOSSY, sd)
         override = model.model_options["transformer_options"][probe.ATTENTION_OVERRIDE]
         lossy = bench.rel_l2(forward(model), ref)
@@ -82,14 +85,16 @@ def main():
         path.write_bytes((2).to_bytes(8, "little") + b"{}")
         key = probe.cache_key(path, LOSSY)
         loader.fidelity_cache().put(key, result)
-        done(model)
+        del model, override
+        unload()
         fresh = load(LOSSY, sd)
         t0 = time.perf_counter()
         cached = loader.fidelity_cache().get(key)
         probe.apply(fresh.model, cached.kept)
         cached_s = time.perf_counter() - t0
         assert fresh.model.qwen_turbo.safe_blocks == set(result.kept)
-        done(fresh)
+        del fresh
+        unload()
         rows.append({
             "weights": name, "injected": a.blocks if name == "outliers" else [],
             "kept": result.kept, "probe_s": round(result.seconds, 3),

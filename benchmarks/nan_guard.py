@@ -88,9 +88,12 @@ def main():
             for guarded in (False, True):
                 times[guarded].append(timed(lambda k=guarded, x=latent: node(x, k)))
         with_guard, without = (statistics.median(times[k]) for k in (True, False))
+        # graphs captured without the hook would replay without it: fresh ones, then gone
+        sampling.memory.release(model.model)
         with nan_in_block(model, 0):
             out = node(latent)
         badge = badges[-1].get("graphs")
+        sampling.memory.release(model.model)
         safe = model.clone()
         options = safe.model_options["transformer_options"]
         options.pop(guard.ATTENTION_OVERRIDE, None)
