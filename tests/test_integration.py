@@ -38,8 +38,11 @@ def test_ui_to_api_checks_the_graph(comfy_server):
     assert api["6"]["inputs"]["steps"] == 2 and api["6"]["inputs"]["model"] == ["2", 0]
     assert api["9"]["inputs"] == {"tile_size": 32, "vram_budget_gb": 0.0, "samples": ["6", 0],
                                   "vae": ["7", 0]}  # fmt: skip
-    ui["nodes"][8]["widgets_values"] = [32]
-    with pytest.raises(ValueError, match="1 widget values, expected 2"):
+    ui["nodes"][8]["widgets_values"] = [32]  # saved before the optional budget existed
+    assert ui_to_api(ui, info)["9"]["inputs"] == {"tile_size": 32, "samples": ["6", 0],
+                                                  "vae": ["7", 0]}  # fmt: skip
+    ui["nodes"][8]["widgets_values"] = [32, 0.0, 1]
+    with pytest.raises(ValueError, match="3 widget values, expected 2"):
         ui_to_api(ui, info)
     ui["nodes"][8]["type"] = "NoSuchNode"
     with pytest.raises(ValueError, match="unknown node type 'NoSuchNode'"):
