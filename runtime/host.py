@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from . import log_once
+
 log = logging.getLogger(__name__)
 
 
@@ -127,6 +129,11 @@ def dynamic_need() -> int | None:
     free_memory = getattr(getattr(mm, "free_memory", None), "__code__", None)
     load = getattr(getattr(mm, "load_models_gpu", None), "__code__", None)
     if free_memory is None or load is None or "for_dynamic" not in free_memory.co_varnames:
+        return None  # a host without dynamic VRAM, or another node's wrapper
+    if "minimum_memory_required" not in load.co_varnames:
+        log_once(log, logging.WARNING, "Qwen Turbo: this ComfyUI's load_models_gpu keeps no "
+                 "minimum_memory_required; models loading on demand take the room ComfyUI "
+                 "asks for")  # fmt: skip
         return None
     for_dynamic, frame = None, sys._getframe(1)
     while frame is not None:
