@@ -57,19 +57,19 @@ def main():
     mm.load_models_gpu([model], force_full_load=True)
     g = torch.Generator().manual_seed(1)
     pos, neg = ([[torch.randn((1, 256, 3584), generator=g), {}]] for _ in range(2))
-    add_guard = guard.add_guard
+    with_guard = guard.guarded
     badges = []
     report.send = lambda node_id, data: badges.append(data)
 
-    def node(latent, guarded=True):
+    def node(latent, on=True):
         # without the guard: one that is never installed
-        guard.add_guard = add_guard if guarded else lambda m: guard.FiniteGuard()
+        guard.guarded = with_guard if on else lambda m: (m, guard.FiniteGuard())
         try:
             with torch.inference_mode():
                 out = CUDAGraphSampler.execute(model, 0, a.steps, a.cfg, "euler", "simple",
                                                pos, neg, latent, 1.0, "whole CFG step")  # fmt: skip
         finally:
-            guard.add_guard = add_guard
+            guard.guarded = with_guard
         return out.result[0]["samples"]
 
     def timed(fn):
@@ -87,7 +87,7 @@ def main():
         for _ in range(a.repeats):
             for guarded in (False, True):
                 times[guarded].append(timed(lambda k=guarded, x=latent: node(x, k)))
-        with_guard, without = (statistics.median(times[k]) for k in (True, False))
+        t_guard, t_none = (statistics.median(times[k]) for k in (True, False))
         # graphs captured without the hook would replay without it: fresh ones, then gone
         sampling.memory.release(model.model)
         with nan_in_block(model, 0):
@@ -104,8 +104,8 @@ def main():
         rows.append({
             "size": size, "first_s": {"guard": round(first[True], 3),
                                       "no_guard": round(first[False], 3)},
-            "guard_s": round(with_guard, 3), "no_guard_s": round(without, 3),
-            "overhead": round(with_guard / without - 1, 4),
+            "guard_s": round(t_guard, 3), "no_guard_s": round(t_none, 3),
+            "overhead": round(t_guard / t_none - 1, 4),
             "nan_equal_safe_path": bool(torch.equal(out, want)),
             "nan_rel_l2_to_safe_path": bench.rel_l2(out.float(), want.float()),
             "safe_path_rel_l2_to_lossy": bench.rel_l2(want.float(), lossy.float()),

@@ -82,6 +82,9 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
         attr("comfy.patcher_extension", "WrappersMP.PREDICT_NOISE"),
         params("comfy.samplers", "CFGGuider.predict_noise", "x", "timestep", "model_options"),
     ],
+    "finite_guard": [
+        attr("comfy.patcher_extension", "WrappersMP.PREDICT_NOISE"),
+    ],
     "batch_fit": [
         params("comfy.sampler_helpers", "estimate_memory", "model", "noise_shape", "conds"),
         attr("comfy.sampler_helpers", "convert_cond"),

@@ -8,6 +8,7 @@ import logging
 import comfy.patcher_extension as pe
 import torch
 
+from .. import host
 from ..dit import fp8
 from .runners import eager
 
@@ -63,9 +64,13 @@ class FiniteGuard:
                 f"{self.safe_path()}")  # fmt: skip
 
 
-def add_guard(model) -> FiniteGuard:
-    """Put a FiniteGuard on `model` (a clone its caller owns), outside any graph runner added
-    after it."""
+def guarded(model) -> tuple:
+    """(a clone of `model` with a FiniteGuard on it, outside any graph runner added after it;
+    the guard), or on a host without the wrapper level (logged) `model` itself and a guard
+    that sees nothing: the sampler's check of the finished latent remains."""
     guard = FiniteGuard()
+    if host.missing("finite_guard") is not None:
+        return model, guard
+    model = model.clone()
     model.add_wrapper_with_key(pe.WrappersMP.PREDICT_NOISE, KEY, guard)
-    return guard
+    return model, guard

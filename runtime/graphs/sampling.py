@@ -35,8 +35,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
         batch_fit.check(model, latent_image["samples"], positive, negative)
         if cuda else (None, None)
     )  # fmt: skip
-    model = model.clone()
-    finite_guard = guard.add_guard(model)
+    model, finite_guard = guard.guarded(model)
     with named_errors(model, latent_image, fit):
         if capture != "off" and cuda and missing is None:
             whole_step = capture == "whole CFG step"
@@ -47,11 +46,11 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
             latent = comfy_nodes.common_ksampler(model, *args, denoise=denoise)[0]
             off = "capture off" if capture == "off" else f"runs on {model.load_device.type}"
             graphs = f"off ({missing or off})"
-    if not guard.finite(latent["samples"]):  # not from the model's output: no safe path
+    if not guard.finite(latent["samples"]):  # not from a step's output: no safe path
         raise ValueError(
-            "CUDA Graph Sampler: the sampled latent is not finite (NaN or Inf) although every "
-            "step's output was; the picture would be black. Try another sampler or scheduler, "
-            "or a lower cfg."
+            "CUDA Graph Sampler: the sampled latent is not finite (NaN or Inf); the picture "
+            "would be black. Try another sampler or scheduler, a lower cfg, or the Optimized "
+            "Loader with weight_dtype bf16."
         )
     state = getattr(model.model, "qwen_turbo", None)  # the Optimized Loader's model
     notes = [graphs, finite_guard.note(), getattr(state, "fidelity", None)]
