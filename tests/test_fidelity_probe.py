@@ -125,6 +125,18 @@ def test_the_probe_runs_at_the_first_sampling_and_is_cached(
     _sample(again)  # nothing probed
 
 
+def test_the_probe_waits_while_the_weights_are_streamed(narrow_sd, user_dir, monkeypatch):
+    """A partly loaded model (ComfyUI's lowvram) streams its weights: the probe would stream
+    them twice more on a first run, so it waits for a sampling with them all on the GPU."""
+    model = _guarded(models.with_outliers(narrow_sd, [1]), user_dir, monkeypatch)
+    monkeypatch.setattr(loader, "streamed", lambda patcher: True)
+    _sample(model)
+    assert model.model.qwen_turbo.fidelity is None and not model.model.qwen_turbo.safe_blocks
+    monkeypatch.setattr(loader, "streamed", lambda patcher: False)
+    _sample(model)
+    assert model.model.qwen_turbo.safe_blocks == {1}
+
+
 def test_a_probe_that_runs_out_of_memory_leaves_the_sampling_running(
     narrow_sd, user_dir, monkeypatch, caplog
 ):

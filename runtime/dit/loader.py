@@ -168,6 +168,11 @@ def set_attention(patcher, attention: str) -> None:
         options["optimized_attention_override"] = attention_override(attention, safe_blocks=safe)
 
 
+def streamed(patcher) -> bool:
+    """Whether ComfyUI left part of the model's weights on the host (its lowvram load)."""
+    return getattr(patcher.model, "model_lowvram", False)
+
+
 def fidelity_cache() -> probe.Cache:
     return probe.Cache(Path(folder_paths.get_user_directory()) / "qwen_turbo" / "fidelity.json")
 
@@ -185,23 +190,29 @@ def guard_fidelity(patcher, path: Path, setting: str, threshold: float) -> None:
         log.info("Optimized Loader: %s: %s (fidelity probe, cached)", path.name, state.fidelity)
         return
 
+    def probe_once(guider) -> None:
+        model = guider.model_patcher
+        if streamed(model):  # the probe would stream the weights twice more, on a first run
+            log_once(log, logging.INFO, "Optimized Loader: the fidelity probe waits for a "
+                     "sampling with all the weights on the GPU")  # fmt: skip
+            return
+        override = guider.model_options.get("transformer_options", {}).get(probe.ATTENTION_OVERRIDE)
+        try:
+            result = probe.measure(model.model, model.load_device, override, threshold)
+        except Exception as e:  # the picture goes on without it, lossy as set
+            why = "out of memory" if host.is_oom(e) else f"{type(e).__name__}: {e}"
+            state.fidelity = "fidelity probe skipped"
+            log.warning("Optimized Loader: %s: fidelity probe skipped (%s)", path.name, why)
+            mm.soft_empty_cache()
+            return
+        state.fidelity = result.summary()
+        fidelity_cache().put(key, result)
+        log.info("Optimized Loader: %s: %s (fidelity probe, %.2f s)", path.name,
+                 state.fidelity, result.seconds)  # fmt: skip
+
     def run_probe(executor, guider, *args, **kwargs):
         if state.fidelity is None:
-            options = guider.model_options.get("transformer_options", {})
-            override = options.get(probe.ATTENTION_OVERRIDE)
-            model = guider.model_patcher
-            try:
-                result = probe.measure(model.model, model.load_device, override, threshold)
-            except Exception as e:  # the picture goes on without it, lossy as set
-                why = "out of memory" if host.is_oom(e) else f"{type(e).__name__}: {e}"
-                state.fidelity = "fidelity probe skipped"
-                log.warning("Optimized Loader: %s: fidelity probe skipped (%s)", path.name, why)
-                mm.soft_empty_cache()
-            else:
-                state.fidelity = result.summary()
-                fidelity_cache().put(key, result)
-                log.info("Optimized Loader: %s: %s (fidelity probe, %.2f s)", path.name,
-                         state.fidelity, result.seconds)  # fmt: skip
+            probe_once(guider)
         return executor(guider, *args, **kwargs)
 
     patcher.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, PROBE_KEY, run_probe)
