@@ -42,6 +42,7 @@ def main():
 
     from qwen_turbo.cli import bench
     from qwen_turbo.runtime.dit import loader, probe
+    from qwen_turbo.runtime.dit.attention import OVERRIDE
     from tests.harness.models import with_outliers
 
     if not torch.cuda.is_available():
@@ -76,7 +77,7 @@ def main():
         del model
         unload()
         model = loaded(LOSSY, sd)
-        override = model.model_options["transformer_options"][probe.ATTENTION_OVERRIDE]
+        override = model.model_options["transformer_options"][OVERRIDE]
         lossy = bench.rel_l2(forward(model), ref)
         torch.cuda.synchronize()
         result = probe.measure(model.model, device, override, threshold)

@@ -46,6 +46,7 @@ def main():
     from qwen_turbo.nodes import report
     from qwen_turbo.nodes.graph_sampler import CUDAGraphSampler
     from qwen_turbo.runtime.dit import fp8
+    from qwen_turbo.runtime.dit.attention import OVERRIDE
     from qwen_turbo.runtime.graphs import guard, sampling
     from tests.harness.models import nan_in_block
 
@@ -96,7 +97,7 @@ def main():
         sampling.memory.release(model.model)
         safe = model.clone()
         options = safe.model_options["transformer_options"]
-        options.pop(guard.ATTENTION_OVERRIDE, None)
+        options.pop(OVERRIDE, None)
         with fp8.safe_compute(), torch.inference_mode():
             want = comfy_nodes.common_ksampler(safe, 0, a.steps, a.cfg, "euler", "simple", pos,
                                                neg, latent)[0]["samples"]  # fmt: skip

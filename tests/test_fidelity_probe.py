@@ -14,6 +14,7 @@ from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
 from qwen_turbo.runtime.dit import attention, config, fp8, loader, probe
+from qwen_turbo.runtime.dit.attention import OVERRIDE
 from tests.harness import models
 
 FP8_MAX = 448.0
@@ -95,9 +96,7 @@ def _guarded(sd, user_dir, monkeypatch):
     if not path.exists():
         path.write_bytes((8).to_bytes(8, "little") + b'{"a": 1}' + b"\0" * 64)
     model = loader.build(dict(sd), config.read_config(sd), "fp8_e4m3fn")
-    model.model_options.setdefault("transformer_options", {})[probe.ATTENTION_OVERRIDE] = (
-        emulated_fp8_attention
-    )
+    model.model_options.setdefault("transformer_options", {})[OVERRIDE] = emulated_fp8_attention
     loader.guard_fidelity(model, path, "test setting", 0.15)
     return model
 

@@ -66,6 +66,7 @@ def quantized(kernel):
 
 
 QUANTIZED = {"fp8_cudnn": attention_fp8}
+OVERRIDE = "optimized_attention_override"  # ComfyUI's transformer option for an attention
 
 
 def attention_override(name: str, amax_group=None, safe_blocks: set[int] = frozenset()):

@@ -19,7 +19,7 @@ import torch
 from ...kernels import warmup
 from .. import host, log_once
 from . import blocks, convert, files, probe, streaming
-from .attention import QUANTIZED, attention_override
+from .attention import OVERRIDE, QUANTIZED, attention_override
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
 from .patcher import LoaderState, Patcher
@@ -165,7 +165,7 @@ def set_attention(patcher, attention: str) -> None:
     if attention != "auto":
         options = patcher.model_options.setdefault("transformer_options", {})
         safe = patcher.model.qwen_turbo.safe_blocks
-        options["optimized_attention_override"] = attention_override(attention, safe_blocks=safe)
+        options[OVERRIDE] = attention_override(attention, safe_blocks=safe)
 
 
 def streamed(patcher) -> bool:
@@ -196,7 +196,7 @@ def guard_fidelity(patcher, path: Path, setting: str, threshold: float) -> None:
             log_once(log, logging.INFO, "Optimized Loader: the fidelity probe waits for a "
                      "sampling with all the weights on the GPU")  # fmt: skip
             return
-        override = guider.model_options.get("transformer_options", {}).get(probe.ATTENTION_OVERRIDE)
+        override = guider.model_options.get("transformer_options", {}).get(OVERRIDE)
         try:
             result = probe.measure(model.model, model.load_device, override, threshold)
         except Exception as e:  # the picture goes on without it, lossy as set
@@ -268,7 +268,7 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
         compile_blocks(patcher)
     state.notes = notes
     options = patcher.model_options.get("transformer_options", {})
-    attention = getattr(options.get("optimized_attention_override"), "backend", "auto")
+    attention = getattr(options.get(OVERRIDE), "backend", "auto")
     lossy = state.weights == "fp8_e4m3fn_fast" or attention in QUANTIZED
     if quality_guard and lossy and patcher.load_device.type == "cuda":
         setting = f"{state.weights}, {attention} attention, fused {fused}"

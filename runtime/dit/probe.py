@@ -2,8 +2,8 @@
 fp8 attention) measured on the user's own weights, block by block, against the safe path (bf16
 compute, ComfyUI's attention).
 
-One forward at a small size with fixed inputs runs on the safe path, recording each transformer
-block's inputs and output; each block then runs lossy on the same inputs. A block whose own
+One forward at a small size with fixed inputs runs on the safe path; as each transformer block
+finishes, it runs again lossy on a copy of its inputs. A block whose own
 contribution (its output less its input) differs by more than the threshold (relative L2)
 computes on the safe path from then on. The result is cached per file (its name, size and
 header) and setting, so that a later load applies it without running anything.
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from . import fp8
+from .attention import OVERRIDE
 
 log = logging.getLogger(__name__)
-ATTENTION_OVERRIDE = "optimized_attention_override"
 STREAMS = ("encoder_hidden_states", "hidden_states")  # a block returns them in this order
 SIDE = 512  # px: a 64x64 latent, 1,024 image tokens
 TEXT_TOKENS = 64
@@ -67,7 +67,7 @@ def measure(model, device, override, threshold: float) -> Fidelity:
     t0 = time.perf_counter()
     blocks = model.diffusion_model.transformer_blocks
     x, sigma, ctx = _inputs(model, device)
-    lossy = {ATTENTION_OVERRIDE: override} if override is not None else {}
+    lossy = {OVERRIDE: override} if override is not None else {}
     inputs, errors = {}, []
 
     def before(module, args, kwargs):

@@ -10,11 +10,11 @@ import torch
 
 from .. import host
 from ..dit import fp8
+from ..dit.attention import OVERRIDE
 from .runners import eager
 
 log = logging.getLogger(__name__)
 KEY = "qwen_turbo_finite_guard"
-ATTENTION_OVERRIDE = "optimized_attention_override"
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -36,9 +36,9 @@ class FiniteGuard:
         if not isinstance(out, torch.Tensor) or finite(out):
             return out
         options = model_options.get("transformer_options", {})
-        self.override |= ATTENTION_OVERRIDE in options
+        self.override |= OVERRIDE in options
         safe = {**model_options, "transformer_options": {
-            k: v for k, v in options.items() if k != ATTENTION_OVERRIDE}}  # fmt: skip
+            k: v for k, v in options.items() if k != OVERRIDE}}  # fmt: skip
         if not self.reruns:
             log.warning("CUDA Graph Sampler: a step's output is not finite (NaN or Inf); "
                         "running it again with %s", self.safe_path())  # fmt: skip
