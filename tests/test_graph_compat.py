@@ -6,7 +6,7 @@ aten ops without the Python that issued them, as a CUDA graph does).
 Every case asserts that the node changes KSampler's result (so a replay that skipped the node's
 Python would show) and that the sampler's latent is bit-identical to KSampler's with the node;
 the path the sampler took (whole step / per model call / eager) is read from its badge text and
-checked against the README's compatibility table.
+checked against the compatibility table in docs/NODES.md.
 """
 
 import shutil

@@ -1,4 +1,4 @@
-"""Model-modifying nodes of the README's "CUDA Graph Sampler with other nodes" table, applied
+"""Model-modifying nodes of docs/NODES.md's "With other nodes" table, applied
 as the executor applies them, and the sampler's badge text read as the path it took; shared by
 tests/test_graph_compat.py and benchmarks/compat.py."""
 
