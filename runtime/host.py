@@ -149,6 +149,26 @@ def dynamic_need() -> int | None:
     return None
 
 
+def pin_request() -> bool:
+    """Whether ComfyUI's `load_models_gpu` is summing what the models it loads will page-lock
+    (v0.33: `total_pins_required`, each statically loaded model's whole size, whether it pins
+    anything or not; the sum makes room by evicting other models' pins, a text encoder's).
+    Read from the callers' frames, `model_size` <- `LoadedModel.model_memory` <- there; False
+    on other hosts and where another node wraps either."""
+    import comfy.model_management as mm
+
+    load = getattr(getattr(mm, "load_models_gpu", None), "__code__", None)
+    memory = getattr(getattr(mm.LoadedModel, "model_memory", None), "__code__", None)
+    if load is None or memory is None or "total_pins_required" not in load.co_varnames:
+        return False
+    caller = sys._getframe(2)  # the model_size() that asks, then its caller
+    if caller.f_code is not memory or caller.f_back is None:
+        return False
+    frame = caller.f_back
+    # the pins' sum precedes the loads, whose RAM log line also asks (with `vram_used` set)
+    return frame.f_code is load and "vram_used" not in frame.f_locals
+
+
 def is_oom(e: BaseException) -> bool:
     """Whether `e` is running out of GPU memory, as ComfyUI's executor judges it: newer hosts'
     `is_oom` also counts out-of-memory AcceleratorErrors."""

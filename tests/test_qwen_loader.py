@@ -604,6 +604,43 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
     assert resident in mm.current_loaded_models
 
 
+@pytest.mark.parametrize("on_card", ["all", "half", "none", "half, load_models_gpu wrapped"])
+def test_a_load_asks_to_page_lock_only_what_is_off_the_card(monkeypatch, narrow_sd, on_card):
+    """ComfyUI's load_models_gpu (v0.33) makes room in page-locked memory, evicting other
+    models' pins (a text encoder's), for the whole size of each statically loaded model. The
+    Optimized Loader's model asks for what is not on the card, which ComfyUI pins where a load
+    leaves it offloaded: nothing once it is all there. Where another node wraps
+    load_models_gpu (the pack cannot tell), ComfyUI's request stands."""
+    if "total_pins_required" not in mm.load_models_gpu.__code__.co_varnames:
+        pytest.skip("this ComfyUI pins nothing for statically loaded models")
+    device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    size = patcher.model_size()
+    loaded = {"all": size, "half": size // 2}.get(on_card.split(",")[0], 0)
+    patcher.model.model_loaded_weight_memory = loaded
+    patcher.load_device = device
+    resident = mm.LoadedModel(patcher)
+    resident.device, resident.real_model = device, weakref.ref(patcher.model)
+    resident.model_finalizer = weakref.finalize(patcher, lambda: None)
+    monkeypatch.setattr(mm, "current_loaded_models", [resident] if loaded else [])
+    if "wrapped" in on_card:
+        wrapped = mm.load_models_gpu
+        monkeypatch.setattr(
+            mm, "load_models_gpu", functools.wraps(wrapped)(lambda *a, **k: wrapped(*a, **k))
+        )
+    asked = []
+    free = 100 * GiB  # nothing to unload
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, torch_free_too=False: (
+        (free, free) if torch_free_too else free))  # fmt: skip
+    monkeypatch.setattr(mm, "ensure_pin_budget", lambda n, **k: asked.append(n) or True)
+    monkeypatch.setattr(mm, "ensure_pin_registerable", lambda n, **k: asked.append(n) or True)
+    monkeypatch.setattr(mm.LoadedModel, "model_load", lambda self, *a, **k: None)
+    mm.load_models_gpu([patcher])
+    want = size - loaded if "wrapped" not in on_card else size
+    assert asked == ([want, want] if want else [])  # nothing to pin: no request
+    assert patcher.model_size() == size  # asked anything else, the whole size
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
 def test_lora_on_offloaded_fp8_layers(narrow_sd, weight_dtype):
     """A partly loaded model (ComfyUI's lowvram: LoRA patches run per call on the layers left

@@ -164,6 +164,23 @@ def test_a_layer_reloaded_after_its_copy_takes_comfyui_copy(narrow_sd):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weights_unregistered_by_another_owner_leave_no_error_behind():
+    """A registration another owner already undid: dropping it fails in the driver, and the
+    next kernel launch runs (CUDA keeps the failed call's error for the next launch's check)."""
+    t = torch.empty(4 << 20, dtype=torch.uint8)
+    registered = streaming.Registered.of(t)
+    assert registered is not None
+    assert torch.cuda.cudart().cudaHostUnregister(t.data_ptr()) == 0
+    del registered
+    assert torch.ones(3, device="cuda").mul(2).sum().item() == 6
+    # the same launch after a failed unregister, the error not discarded
+    assert torch.cuda.cudart().cudaHostUnregister(t.data_ptr()) != 0
+    with pytest.raises(RuntimeError):
+        torch.ones(3, device="cuda").mul(2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lora", [False, True])
 def test_streaming_full_width_on_gpu(lora):
     """Six full-width blocks in fp8_fast with every layer on the host, 1328² (83² tokens and

@@ -100,6 +100,13 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             log_once(log, logging.INFO, "Optimized Loader: host RAM is short; the file "
                      "cache of weights on the GPU or copied goes back to the OS")  # fmt: skip
 
+    def model_size(self):
+        """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is not on
+        the GPU: ComfyUI pins only weights a load leaves offloaded, and the whole size asked
+        of a model already on the card would evict a text encoder's pins at every sampling."""
+        size = super().model_size()
+        return size - self.loaded_size() if host.pin_request() else size
+
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
         """ComfyUI's, from a copy the uploader made where `load` has one: the weight's own
         data where the key has no patches (what the module's `.to()` that follows would

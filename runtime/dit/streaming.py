@@ -96,15 +96,26 @@ class Registered:
             return None
         if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0) == 0:
             return cls(t)
-        # the failed call left an error that the next kernel launch's check would raise
-        with contextlib.suppress(RuntimeError):
-            torch.zeros(1, device="cuda").add_(1)
-            torch.cuda.synchronize()
+        discard_error()
         return None
 
     def __del__(self):
         with contextlib.suppress(AttributeError, RuntimeError, TypeError):  # at shutdown
-            torch.cuda.cudart().cudaHostUnregister(self.t.data_ptr())
+            code = torch.cuda.cudart().cudaHostUnregister(self.t.data_ptr())
+            if code != 0:  # another owner unregistered it: nothing is left locked
+                log_once(log, logging.INFO, f"weight streaming: unregistering host weights "
+                         f"gave CUDA error {int(code)}")  # fmt: skip
+                discard_error()
+
+
+def discard_error() -> None:
+    """Clear the error a failed CUDA runtime call (host page-locking) leaves behind: the next
+    kernel launch's check would raise it, in whatever op comes next ('invalid argument' in a
+    block's F.silu). A launch reads and clears it; none is made inside a capture."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device="cuda").zero_()
 
 
 class BlockStreamer:
