@@ -264,18 +264,19 @@ def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, rout
 
 @pytest.mark.parametrize(
     "case, asked", [("partly loaded", True), ("all loaded", False), ("on demand", False),
-                    ("too much to free", False)],
+                    ("too much to free", False), ("texts of two lengths", False)],
 )  # fmt: skip
 def test_a_model_streaming_its_weights_frees_room_for_the_cond_batch(dit, monkeypatch, case, asked):
     """With a statically loaded model partly on the host, the sampler's load is followed by
     freeing what ComfyUI needs free to run cond and uncond as one batch (1.5 times its
-    estimate, and a margin): never for a model all on the GPU, one loading on demand, or
-    where that would take more than half of the weights on the GPU."""
+    estimate, and a margin): never for a model all on the GPU, one loading on demand, conds
+    ComfyUI cannot batch, or where that would take more than half of the weights on the GPU."""
     model = dit.clone()
     size = 40 * 2**30  # as the full DiT: the estimate below is for 512² pictures
     monkeypatch.setattr(model, "model_size", lambda: size)
     latent = torch.zeros(1, 16, 64, 64)
-    conds = {"positive": _cond(8, 1), "negative": _cond(8, 2)}
+    neg_tokens = 5 if case == "texts of two lengths" else 8
+    conds = {"positive": _cond(8, 1), "negative": _cond(neg_tokens, 2)}
     conds = {k: comfy.sampler_helpers.convert_cond(v) for k, v in conds.items()}
     batch = comfy.sampler_helpers.estimate_memory(model, latent.shape, conds)[0]
     free = 10 * 2**20

@@ -70,13 +70,16 @@ COND_BATCH_MARGIN = 256 * 2**20
 def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
     """PREPARE_SAMPLING wrapper: a model loaded statically and left partly on the host copies
     those weights to the GPU at every call, and ComfyUI, with too little free for cond and
-    uncond together, calls it once per cond. Here it frees as many more of its weights as
-    that batch needs (at most half of what is loaded): they then cross once a step. Models
-    that load on demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
+    uncond together, calls it once per cond. Where the conds could run as one batch (texts
+    of one length: a zeroed negative, say), it frees as many more of its weights as that
+    batch needs (at most half of what is loaded): they then cross once a step. Models that
+    load on demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
     out = executor(model, noise_shape, conds, *args, **kwargs)
     loaded, size = model.loaded_size(), model.model_size()
     if getattr(model, "is_dynamic", lambda: False)() or not 0 < loaded < size:
         return out
+    if len({cond_shape(c) for cs in conds.values() for c in cs}) != 1:
+        return out  # Qwen-Image batches no texts of different lengths: a prompt and its negative
     device = model.load_device
     batch = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0]
     free = getattr(model, "get_free_memory", mm.get_free_memory)(device)
@@ -86,6 +89,15 @@ def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
         log_once(log, logging.INFO, "CUDA Graph Sampler: the weights stream from the host; "
                  "more of them stream so that cond and uncond run as one batch")  # fmt: skip
     return out
+
+
+def cond_shape(cond: dict) -> tuple:
+    """The shapes of a cond's text and mask, which must match for ComfyUI to batch it with
+    another (Qwen-Image's `c_crossattn` is a CONDRegular)."""
+    return tuple(
+        tuple(t.shape) if hasattr(t, "shape") else None
+        for t in (cond.get("cross_attn"), cond.get("attention_mask"))
+    )
 
 
 @contextmanager
