@@ -3,7 +3,6 @@ seed and prompt, so a team can judge the pack on its own weights and GPU: both p
 amplified difference, PSNR, SSIM and each side's time. Call `headless.start_comfyui` first."""
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -15,32 +14,27 @@ AMPLIFY = 8  # the difference picture: |stock - pack| times this
 FOLDER = "qwen_turbo_compare"  # under ComfyUI's output folder
 
 
+def _tensors(a: np.ndarray, b: np.ndarray):
+    """Two 8-bit pictures (H, W, C) as float64 (1, C, H, W) tensors."""
+    import torch
+
+    return (torch.tensor(x, dtype=torch.float64).permute(2, 0, 1)[None] for x in (a, b))
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """Peak signal-to-noise ratio of two 8-bit pictures, dB (inf where identical)."""
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+    """Peak signal-to-noise ratio of two 8-bit pictures (H, W, C), dB (inf where identical):
+    kornia's, which ComfyUI's requirements list."""
+    from kornia.metrics import psnr as kornia_psnr
+
+    return float(kornia_psnr(*_tensors(a, b), max_val=255.0))
 
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """Structural similarity of two 8-bit pictures (H, W, C): Wang et al. 2004, an 11x11
-    Gaussian window of sigma 1.5, averaged over pixels and channels."""
-    import torch
-    import torch.nn.functional as F
+    """Structural similarity of two 8-bit pictures (H, W, C), kornia's (Wang et al. 2004, an
+    11x11 Gaussian window of sigma 1.5), averaged over pixels and channels."""
+    from kornia.metrics import ssim as kornia_ssim
 
-    x = torch.tensor(a, dtype=torch.float64).permute(2, 0, 1)[:, None]
-    y = torch.tensor(b, dtype=torch.float64).permute(2, 0, 1)[:, None]
-    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
-    g = g / g.sum()
-    window = (g[:, None] * g[None, :])[None, None]
-
-    def blur(t):
-        return F.conv2d(t, window)
-
-    mx, my = blur(x), blur(y)
-    vx, vy, cov = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-    s = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
-    return float(s.mean())
+    return float(kornia_ssim(*_tensors(a, b), window_size=11, max_val=255.0).mean())
 
 
 def difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
