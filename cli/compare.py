@@ -59,10 +59,16 @@ def _run(api: dict, side: str):
 
 
 def compare(workflow: Path, prompt: str | None, seed: int | None) -> int:
-    """Run both sides and report; 0 on success, 2 for missing files or no pack node, 1 on an
-    error in a run."""
+    """Run both sides and report; 0 on success, 2 for missing files, no pack node or no kornia,
+    1 on an error in a run."""
     from PIL import Image
 
+    try:
+        import kornia.metrics  # noqa: F401
+    except ImportError:
+        print("compare needs kornia for PSNR and SSIM (ComfyUI's requirements list it): "
+              "pip install kornia", flush=True)  # fmt: skip
+        return 2
     api = headless.load_workflow(workflow)
     if api is None:
         return 2

@@ -166,6 +166,13 @@ def test_compare_metrics():
     assert (compare.difference(a, b) == 4 * compare.AMPLIFY).all()
 
 
+def test_compare_without_kornia_says_so_and_runs_nothing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "kornia.metrics", None)  # import raises ImportError
+    monkeypatch.setattr(compare, "_run", lambda *a: pytest.fail("a side ran"))
+    assert compare.compare(ROOT / "tests" / "workflows" / "tiny_qwen_vae.json", None, 5) == 2
+    assert "pip install kornia" in capsys.readouterr().out
+
+
 def test_compare_runs_stock_and_pack(executor_setup, capsys):
     """compare on a workflow with the pack's VAE nodes: both sides run through the executor,
     each save node's pictures are paired (the pack's decodes as close to stock's as its tests
