@@ -161,7 +161,10 @@ def pin_request() -> bool:
     memory = getattr(getattr(mm.LoadedModel, "model_memory", None), "__code__", None)
     if load is None or memory is None or "total_pins_required" not in load.co_varnames:
         return False
-    caller = sys._getframe(2)  # the model_size() that asks, then its caller
+    try:
+        caller = sys._getframe(2)  # above pin_request: the model_size() that asks, its caller
+    except ValueError:  # a shallower stack
+        return False
     if caller.f_code is not memory or caller.f_back is None:
         return False
     frame = caller.f_back

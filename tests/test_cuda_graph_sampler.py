@@ -264,7 +264,8 @@ def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, rout
 
 @pytest.mark.parametrize(
     "case, asked", [("partly loaded", True), ("all loaded", False), ("on demand", False),
-                    ("too much to free", False), ("texts of two lengths", False)],
+                    ("too much to free", False), ("texts of two lengths", False),
+                    ("no negative", False)],
 )  # fmt: skip
 def test_a_model_streaming_its_weights_frees_room_for_the_cond_batch(dit, monkeypatch, case, asked):
     """With a statically loaded model partly on the host, the sampler's load is followed by
@@ -277,6 +278,8 @@ def test_a_model_streaming_its_weights_frees_room_for_the_cond_batch(dit, monkey
     latent = torch.zeros(1, 16, 64, 64)
     neg_tokens = 5 if case == "texts of two lengths" else 8
     conds = {"positive": _cond(8, 1), "negative": _cond(neg_tokens, 2)}
+    if case == "no negative":
+        del conds["negative"]
     conds = {k: comfy.sampler_helpers.convert_cond(v) for k, v in conds.items()}
     batch = comfy.sampler_helpers.estimate_memory(model, latent.shape, conds)[0]
     free = 10 * 2**20

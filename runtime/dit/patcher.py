@@ -102,8 +102,8 @@ class Patcher(comfy.model_patcher.ModelPatcher):
 
     def model_size(self):
         """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is not on
-        the GPU: ComfyUI pins only weights a load leaves offloaded, and the whole size asked
-        of a model already on the card would evict a text encoder's pins at every sampling."""
+        the GPU: ComfyUI pins only weights a load leaves offloaded, and for the whole size of a
+        model already on the card it would evict other models' page-locked weights."""
         size = super().model_size()
         return size - self.loaded_size() if host.pin_request() else size
 

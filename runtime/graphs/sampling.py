@@ -78,7 +78,8 @@ def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
     loaded, size = model.loaded_size(), model.model_size()
     if getattr(model, "is_dynamic", lambda: False)() or not 0 < loaded < size:
         return out
-    if len({cond_shape(c) for cs in conds.values() for c in cs}) != 1:
+    shapes = [cond_shape(c) for cs in conds.values() for c in cs]
+    if len(shapes) < 2 or len(set(shapes)) != 1:
         return out  # Qwen-Image batches no texts of different lengths: a prompt and its negative
     device = model.load_device
     batch = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0]
