@@ -17,7 +17,8 @@ into the input folder. `--ram N` leaves N GiB of host RAM available (a ballast p
 the rest), as the card is simulated by filling the GPU.
 
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
-UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches. "pack+VAEDecode"
+UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches; "stock+fp8_fast"
+(on request) the same with UNETLoader's fp8_e4m3fn_fast, stock's fastest. "pack+VAEDecode"
 (on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling. Each runs
 first with nothing loaded or captured (the files in the OS cache), then with a new sampler seed
 (the conditioning and encodes cached, as in ComfyUI), then (`--new-prompts`) with a new prompt.
@@ -128,9 +129,9 @@ def write_pictures(folder: Path, api: dict) -> None:
 
 
 def prompts(workflow: Path, text_encoder: bool = False) -> dict:
-    """{"pack": api, "stock": api, "pack+VAEDecode": api} for a bundled workflow. Without
-    `text_encoder` the text encoding is replaced by seeded conditioning (Edit's by
-    QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
+    """{"pack": api, "stock": api, "stock+fp8_fast": api, "pack+VAEDecode": api} for a bundled
+    workflow. Without `text_encoder` the text encoding is replaced by seeded conditioning
+    (Edit's by QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
     import nodes
     from qwen_turbo.cli.stock import STOCK, stock_graph
     from qwen_turbo.cli.workflow import object_info, ui_to_api
@@ -160,16 +161,24 @@ def prompts(workflow: Path, text_encoder: bool = False) -> dict:
         pack[node_id] = node
     stock = stock_graph(pack)
     # the pack's graph with ComfyUI's own decode after the CUDA Graph Sampler
-    mixed = {
-        k: {"class_type": n["class_type"], "inputs": dict(n["inputs"])} for k, n in pack.items()
-    }
+    mixed = _copy(pack)
     for node in mixed.values():
         if node["class_type"] == "QwenTurboVAEDecodeTiled":
             node["class_type"], node["inputs"] = (
                 "VAEDecode",
                 STOCK["QwenTurboVAEDecodeTiled"][1](node["inputs"]),
             )
-    return {"pack": pack, "stock": stock, "pack+VAEDecode": mixed}
+    # stock's best option: UNETLoader's fp8_e4m3fn_fast
+    fast = _copy(stock)
+    for node in fast.values():
+        if node["class_type"] == "UNETLoader":
+            node["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
+    return {"pack": pack, "stock": stock, "stock+fp8_fast": fast, "pack+VAEDecode": mixed}
+
+
+def _copy(api: dict) -> dict:
+    """`api` with each node's inputs its own."""
+    return {k: {"class_type": n["class_type"], "inputs": dict(n["inputs"])} for k, n in api.items()}
 
 
 class Recorder:

@@ -77,7 +77,7 @@ def test_graphs_validate_at_full_size(comfy, path):
             execution.validate_prompt("card", api, None)
         )
         assert valid and not node_errors, (variant, error, node_errors)
-        save = "SaveImage" if variant == "stock" else "QwenTurboSaveImage"
+        save = "SaveImage" if variant.startswith("stock") else "QwenTurboSaveImage"
         assert [api[k]["class_type"] for k in outputs] == [save]
         batch, channels, frames, height, width = card.latent_shape(api)
         assert (batch, channels, frames) == (1, 16, 1) and height * width >= 128**2, path.stem
@@ -90,6 +90,10 @@ def test_graphs_validate_at_full_size(comfy, path):
     if "edit" in path.stem:
         assert {"QwenTurboVAEEncodeTiled", "QwenTurboTestEditConditioning"} <= kinds["pack"]
         assert {"VAEEncode", "LoadImage", "QwenTurboTestEditConditioning"} <= kinds["stock"]
+    assert kinds["stock+fp8_fast"] == kinds["stock"]
+    dtypes = {n["inputs"]["weight_dtype"] for n in variants["stock+fp8_fast"].values()
+              if n["class_type"] == "UNETLoader"}  # fmt: skip
+    assert dtypes == {"fp8_e4m3fn_fast"}
     mixed = kinds["pack+VAEDecode"]
     assert "VAEDecode" in mixed and "QwenTurboVAEDecodeTiled" not in mixed
     assert mixed - {"VAEDecode"} == kinds["pack"] - {"QwenTurboVAEDecodeTiled"}
