@@ -118,16 +118,14 @@ def _wrapper(executor, *args, **kwargs):
         ("foreign wrapper", "'other' diffusion_model wrapper runs Python per step"),
         ("torch.compile", "'torch.compile' apply_model wrapper runs Python per step"),
         ("model patch", "model patches (double_block) run Python per step"),
-        ("texts of one length", "the conds batch"),
-        ("texts of two lengths", None),
+        ("plain", None),
     ],
 )
 def test_steps_with_code_that_would_run_twice_keep_comfyui_order(case, why):
     model = _Base()
     if case == "all loaded":
         model.model_lowvram = False
-    tokens = (7, 7) if case == "texts of one length" else (7, 5)
-    conds = [_cond(n, 4, seed) for seed, n in enumerate(tokens)]
+    conds = [[{"uuid": 1}], [{"uuid": 2}]]
     if case in ("ControlNet", "hooks"):
         conds[0][0]["control" if case == "ControlNet" else "hooks"] = object()
     options = {"transformer_options": {}}
@@ -192,8 +190,7 @@ def test_an_error_in_one_call_stops_none_of_the_others_and_is_raised():
 def test_lockstep_full_width_on_gpu():
     """Six full-width blocks in fp8_fast with every layer on the host, 1328² (83² tokens), a
     prompt of 256 tokens and a negative of 200: each output is bit-identical to ComfyUI's
-    calls one after another, and each block is staged once a step. (Times are printed; the
-    speed is measured through the nodes, benchmarks/card_workflow.py.)"""
+    calls one after another, in less time (second steps: the first pins and compiles)."""
     from qwen_turbo.cli import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
@@ -206,3 +203,4 @@ def test_lockstep_full_width_on_gpu():
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert streamer.copies == 2 * len(streamer.layers)  # once a step
     print(f"one call after another {alone * 1e3:.1f} ms, in lockstep {fast * 1e3:.1f} ms")
+    assert fast < alone

@@ -70,8 +70,6 @@ def why_alone(model, conds, model_options: dict, inner: list) -> str | None:
     keys = {k for cs in conds if cs for c in cs for k in OWN_PYTHON_CONDS if c.get(k) is not None}
     if options or keys:
         return f"{', '.join([*options, *sorted(keys)])} per call"
-    if len({shapes(c) for cs in conds if cs for c in cs}) < 2:
-        return "the conds batch"  # where memory allows: the sampler's cond-batch room sees to it
     # torch.compile's wrapper swaps the compiled model in only around the recorded calls
     return foreign_code(model_options.get("transformer_options", {}), "calc_cond_batch",
                         inner, safe=())  # fmt: skip
@@ -81,14 +79,6 @@ def install(patcher) -> None:
     """Put the wrappers on `patcher` (a clone its caller owns)."""
     patcher.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, KEY, calc_cond_batch)
     patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, diffusion_model)
-
-
-def shapes(cond: dict) -> tuple:
-    """The shapes of a cond's inputs to the model: conds whose shapes differ never batch."""
-    return tuple(
-        (k, tuple(v.cond.shape) if isinstance(getattr(v, "cond", None), torch.Tensor) else None)
-        for k, v in sorted(cond.get("model_conds", {}).items())
-    ) + (cond.get("area"),)
 
 
 def calc_cond_batch(executor, model, conds, x_in, timestep, model_options):
