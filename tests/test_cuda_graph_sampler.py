@@ -29,7 +29,7 @@ import nodes
 from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.runtime import batch_fit, memory
 from qwen_turbo.runtime.dit import files, fp8, loader
-from qwen_turbo.runtime.graphs import cond_lockstep, guard, sampling
+from qwen_turbo.runtime.graphs import guard, sampling
 from qwen_turbo.runtime.graphs.cache import Graph, cache_for
 from qwen_turbo.runtime.graphs.capture import CudaGraphs
 from qwen_turbo.runtime.graphs.inputs import cond_inputs, with_cond_buffers
@@ -262,29 +262,57 @@ def test_node_on_a_gpu_routes_each_capture_mode(monkeypatch, sent, capture, rout
     assert sent[-1]["graphs"] == ("off (capture off)" if capture == "off" else "captured 1")
 
 
+@pytest.mark.parametrize(
+    "case, asked", [("partly loaded", True), ("all loaded", False), ("on demand", False),
+                    ("too much to free", False), ("texts of two lengths", False),
+                    ("no negative", False)],
+)  # fmt: skip
+def test_a_model_streaming_its_weights_frees_room_for_the_cond_batch(dit, monkeypatch, case, asked):
+    """With a statically loaded model partly on the host, the sampler's load is followed by
+    freeing what ComfyUI needs free to run cond and uncond as one batch (1.5 times its
+    estimate, and a margin): never for a model all on the GPU, one loading on demand, conds
+    ComfyUI cannot batch, or where that would take more than half of the weights on the GPU."""
+    model = dit.clone()
+    size = 40 * 2**30  # as the full DiT: the estimate below is for 512² pictures
+    monkeypatch.setattr(model, "model_size", lambda: size)
+    latent = torch.zeros(1, 16, 64, 64)
+    neg_tokens = 5 if case == "texts of two lengths" else 8
+    conds = {"positive": _cond(8, 1), "negative": _cond(neg_tokens, 2)}
+    if case == "no negative":
+        del conds["negative"]
+    conds = {k: comfy.sampler_helpers.convert_cond(v) for k, v in conds.items()}
+    batch = comfy.sampler_helpers.estimate_memory(model, latent.shape, conds)[0]
+    free = 10 * 2**20
+    loaded = {"all loaded": size, "too much to free": 2**20}.get(case, size // 2)
+    monkeypatch.setattr(model, "loaded_size", lambda: loaded)
+    monkeypatch.setattr(model, "is_dynamic", lambda: case == "on demand", raising=False)
+    monkeypatch.setattr(model, "get_free_memory", lambda device: free, raising=False)
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: free)
+    freed = []
+    monkeypatch.setattr(model, "partially_unload", lambda device, n: freed.append(n) or n)
+    out = sampling.room_for_cond_batch(lambda *a, **k: "prepared", model, latent.shape, conds)
+    assert out == "prepared"
+    want = int(sampling.COND_BATCH_FACTOR * batch + sampling.COND_BATCH_MARGIN - free)
+    assert freed == ([want] if asked else [])
+
+
 @pytest.mark.parametrize("cfg", [1.0, 2.5])
-def test_guided_sampling_runs_its_calls_in_lockstep(monkeypatch, sent, cfg):
-    """The node adds the cond lockstep (tests/test_cond_lockstep.py) to guided runs on a GPU,
-    outside the graph runners; cfg 1 runs no uncond."""
+def test_guided_sampling_keeps_room_for_the_cond_batch(monkeypatch, sent, cfg):
+    """The node adds the cond-batch room (above) to guided runs on a GPU; cfg 1 runs no uncond."""
     model = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), "cpu", "cpu")
     monkeypatch.setattr(model, "load_device", torch.device("cuda"), raising=False)
     latent = {"samples": torch.zeros(1, 4, 8, 8)}
     seen = []
 
     def with_graphs(model, whole_step, backend, *args, **kwargs):
-        seen.append(
-            {
-                lvl: list(model.wrappers.get(lvl, {}))
-                for lvl in (pe.WrappersMP.CALC_COND_BATCH, pe.WrappersMP.DIFFUSION_MODEL)
-            }
-        )
+        wrappers = model.wrappers.get(pe.WrappersMP.PREPARE_SAMPLING, {})
+        seen.append([f for fs in wrappers.values() for f in fs])
         return latent, "captured 1"
 
     monkeypatch.setattr(sampling, "sample_within_memory", with_graphs)
     monkeypatch.setattr(batch_fit, "check", lambda *a: (None, None))
     graph_sampler.CUDAGraphSampler.execute(model, 0, 1, cfg, "euler", "simple", [], [], latent)
-    keys = [cond_lockstep.KEY] if cfg != 1.0 else []
-    assert seen == [{"calc_cond_batch": keys, "diffusion_model": keys}]
+    assert seen == [[sampling.room_for_cond_batch] if cfg != 1.0 else []]
 
 
 def test_the_capturing_step_is_not_replayed(dit):

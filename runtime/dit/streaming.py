@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from .. import log_once
-from . import lockstep
 
 log = logging.getLogger(__name__)
 
@@ -233,37 +232,22 @@ class BlockStreamer:
             torch.cuda.current_stream(device).wait_event(event)
         return staged
 
-    def _run(self, i: int, inner: Callable, hidden_states, *args, **kwargs):
-        streamed = False
-        for m in self.layers[i]:
-            if offloaded(m):
-                streamed = True
-            else:  # loaded: a pinned copy from before goes
-                m.__dict__.pop("_pinned", None)
-        if not streamed:
-            return inner(hidden_states, *args, **kwargs)
-        staged, release = self._staged(i, hidden_states.device)
-        try:
-            for m, _, tensors in staged:
-                m.staged = tensors
-            return inner(hidden_states, *args, **kwargs)
-        except BaseException:
-            self._drop_ahead()  # an interrupted call leaves no copies behind
-            raise
-        finally:
-            for m, *_ in staged:
-                m.staged = None
-            release()
+    def forward(self, i: int, inner: Callable) -> Callable:
+        """Block i's forward (`inner`, the hidden states first) with its offloaded weights
+        staged, and block i + 1's copied meanwhile."""
 
-    def _staged(self, i: int, device: torch.device) -> tuple[list, Callable]:
-        """(block i's staged weights, what to call once the block has run), and block i + 1's
-        copies started. In lockstep (calls taking turns block by block, `lockstep`) the first
-        call to reach block i stages them for all, and the last to run it lets them go."""
-        together = lockstep.current()
-        shared = together.shared.setdefault(id(self), {}) if together else {}
-        if i not in shared:
+        def forward(hidden_states, *args, **kwargs):
             if i == 0:
                 self._drop_ahead()  # left by a call that did not run every block
+            streamed = False
+            for m in self.layers[i]:
+                if offloaded(m):
+                    streamed = True
+                else:  # loaded: a pinned copy from before goes
+                    m.__dict__.pop("_pinned", None)
+            if not streamed:
+                return inner(hidden_states, *args, **kwargs)
+            device = hidden_states.device
             # a layer reloaded since its copy was made takes ComfyUI's copy
             staged = [s for s in self._take(i, device) if s[0].weight is s[1]]
             if i + 1 < len(self.layers):
@@ -271,23 +255,16 @@ class BlockStreamer:
             if staged and not self.copies:
                 log_once(log, logging.INFO, "weight streaming: offloaded weights copied ahead")
             self.copies += bool(staged)
-            shared[i] = [staged, len(together.running) if together else 1]  # calls to run it
-
-        def release():
-            shared[i][1] -= 1
-            if not shared[i][1]:
-                del shared[i]
-
-        return shared[i][0], release
-
-    def forward(self, i: int, inner: Callable) -> Callable:
-        """Block i's forward (`inner`, the hidden states first) with its offloaded weights
-        staged, and block i + 1's copied meanwhile."""
-
-        def forward(hidden_states, *args, **kwargs):
-            out = self._run(i, inner, hidden_states, *args, **kwargs)
-            lockstep.block_end()
-            return out
+            try:
+                for m, _, tensors in staged:
+                    m.staged = tensors
+                return inner(hidden_states, *args, **kwargs)
+            except BaseException:
+                self._drop_ahead()  # an interrupted call leaves no copies behind
+                raise
+            finally:
+                for m, *_ in staged:
+                    m.staged = None
 
         forward.__wrapped__ = inner  # for inspect.unwrap: what this block runs
         return forward

@@ -51,18 +51,18 @@ def model_patches(options: dict) -> str | None:
     return f"model patches ({', '.join(patches)}) run Python per step" if patches else None
 
 
-def foreign_code(options: dict, level: str, inner: list, safe=SAFE_WRAPPERS) -> str | None:
+def foreign_code(options: dict, level: str, inner: list) -> str | None:
     """Why Python that a replay would skip runs inside a graph captured at `level`: a wrapper
     among `inner` (those inside the runner's own at `level`) or at a level below it, a model
-    patch or a callable transformer option, none of them the pack's nor `safe`; None if there
-    is none. `options`: the transformer_options of the call."""
+    patch or a callable transformer option, none of them the pack's; None if there is none.
+    `options`: the transformer_options of the call."""
     wrappers = options.get("wrappers", {})
     for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]:
         for key, fns in wrappers.get(lvl, {}).items():
             for fn in fns:
                 inside = lvl != level or any(fn is f for f in inner)
                 foreign = not own(fn) or getattr(fn, "runs_python_per_call", False)
-                if inside and key not in safe and foreign:
+                if inside and key not in SAFE_WRAPPERS and foreign:
                     return f"{key!r} {lvl} wrapper runs Python per step"
     why = model_patches(options)
     if why is not None:

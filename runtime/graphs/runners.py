@@ -26,7 +26,6 @@ import comfy.patcher_extension as pe
 import torch
 
 from .. import memory
-from . import cond_lockstep
 from .cache import Graph, GraphCache, cache_for, tensor_version
 from .capture import CudaGraphs
 from .inputs import cond_inputs, flatten, is_options, with_buffers, with_cond_buffers
@@ -119,7 +118,7 @@ class GraphRunner:
         return why, why is not None and self.level != ModelRunner.level and innermost_free(options)
 
     def __call__(self, executor, *args, **kwargs):
-        if _taken.get() or cond_lockstep.replaying():  # counted as it was recorded
+        if _taken.get():
             return executor(*args, **kwargs)
         model = executor.class_obj
         cache = cache_for(model)

@@ -8,12 +8,13 @@ from contextlib import contextmanager
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
+import comfy.sampler_helpers
 
 import nodes as comfy_nodes
 
 from .. import batch_fit, host, log_once, memory
 from ..dit.loader import host_estimate
-from . import cond_lockstep, guard
+from . import guard
 from .cache import count_run, trim_graphs
 from .capture import CudaGraphs
 from .runners import KEY, install
@@ -27,8 +28,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
     """The node's run: (latent, the batch-fit note, the graph status for the badge). `capture`
     is one of CAPTURE_MODES; off, on a model that runs on no CUDA device, or on a host that
     lacks an internal the runners rely on, it is KSampler. Either way each step's output is
-    checked (`guard`), and a guided step's calls run in lockstep where the model streams its
-    weights (`cond_lockstep`)."""
+    checked (`guard`)."""
     args = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
     missing = host.missing("cuda_graphs")
     cuda = model.load_device.type == "cuda"
@@ -39,7 +39,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
     model, finite_guard = guard.guarded(model)
     if cuda and cfg != 1.0:  # cfg 1 runs no uncond
         model = model.clone()
-        cond_lockstep.install(model)  # before the graph runners, so outside theirs
+        model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, KEY, room_for_cond_batch)
     with named_errors(model, latent_image, fit):
         if capture != "off" and cuda and missing is None:
             whole_step = capture == "whole CFG step"
@@ -59,6 +59,46 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
     state = getattr(model.model, "qwen_turbo", None)  # the Optimized Loader's model
     notes = [graphs, finite_guard.note(), getattr(state, "fidelity", None)]
     return latent, note, "; ".join(filter(None, notes))
+
+
+# ComfyUI runs the conds of a step as one batch where this many times the batch's estimate is
+# free (samplers.calc_cond_batch); the margin covers the streamed block's weights.
+COND_BATCH_FACTOR = 1.5
+COND_BATCH_MARGIN = 256 * 2**20
+
+
+def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
+    """PREPARE_SAMPLING wrapper: a model loaded statically and left partly on the host copies
+    those weights to the GPU at every call, and ComfyUI, with too little free for cond and
+    uncond together, calls it once per cond. Where the conds could run as one batch (texts
+    of one length: a zeroed negative, say), it frees as many more of its weights as that
+    batch needs (at most half of what is loaded): they then cross once a step. Models that
+    load on demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
+    out = executor(model, noise_shape, conds, *args, **kwargs)
+    loaded, size = model.loaded_size(), model.model_size()
+    if getattr(model, "is_dynamic", lambda: False)() or not 0 < loaded < size:
+        return out
+    shapes = [cond_shape(c) for cs in conds.values() for c in cs]
+    if len(shapes) < 2 or len(set(shapes)) != 1:
+        return out  # Qwen-Image batches no texts of different lengths: a prompt and its negative
+    device = model.load_device
+    batch = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0]
+    free = getattr(model, "get_free_memory", mm.get_free_memory)(device)
+    short = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - free)
+    if 0 < short <= loaded // 2:
+        model.partially_unload(model.offload_device, short)
+        log_once(log, logging.INFO, "CUDA Graph Sampler: the weights stream from the host; "
+                 "more of them stream so that cond and uncond run as one batch")  # fmt: skip
+    return out
+
+
+def cond_shape(cond: dict) -> tuple:
+    """The shapes of a cond's text and mask, which must match for ComfyUI to batch it with
+    another (Qwen-Image's `c_crossattn` is a CONDRegular)."""
+    return tuple(
+        tuple(t.shape) if hasattr(t, "shape") else None
+        for t in (cond.get("cross_attn"), cond.get("attention_mask"))
+    )
 
 
 @contextmanager
