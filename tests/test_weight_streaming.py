@@ -181,6 +181,16 @@ def test_weights_unregistered_by_another_owner_leave_no_error_behind():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_room_is_free_memory_and_what_the_allocator_holds_unused():
+    cuda = torch.device("cuda")
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=cuda)
+    del held  # reserved, not allocated
+    want = torch.cuda.mem_get_info(cuda)[0] + torch.cuda.memory_reserved(cuda)
+    assert streaming.room(cuda) == want - torch.cuda.memory_allocated(cuda)
+    assert torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda) >= 64 << 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lora", [False, True])
 def test_streaming_full_width_on_gpu(lora):
     """Six full-width blocks in fp8_fast with every layer on the host, 1328² (83² tokens and
