@@ -190,6 +190,7 @@ def test_room_is_free_memory_and_what_the_allocator_holds_unused():
     assert torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda) >= 64 << 20
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lora", [False, True])
 def test_streaming_full_width_on_gpu(lora):
