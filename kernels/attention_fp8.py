@@ -30,7 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import (
+    HAS_TRITON,
+    custom_op,
+    fast_launch,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+    unsupported,
+)
 
 try:
     import cudnn
@@ -115,6 +124,7 @@ if HAS_TRITON:
             x = tl.where(mask, x - tl.load(mean_ptr + bh * D + offs_d)[None, :], 0.0)
         return x, offs_l, mask
 
+    @fast_launch
     @triton.jit
     def _sum_kernel(
         x_ptr, sums_ptr, L, H, sx_b, sx_h, sx_l, D: tl.constexpr, BLOCK: tl.constexpr
@@ -125,6 +135,7 @@ if HAS_TRITON:
         offs = (bh * tl.num_programs(0) + tl.program_id(0)) * D + tl.arange(0, D)
         tl.store(sums_ptr + offs, tl.sum(x, axis=0))
 
+    @fast_launch
     @triton.jit
     def _mean_kernel(
         sums_ptr, mean_ptr, L, BLOCKS,
@@ -158,6 +169,7 @@ if HAS_TRITON:
         _mean_kernel[(b * h,)](sums, mean, seq, grid[0], D=d, CHUNK=SUMS_CHUNK, CHUNKS=chunks)
         return mean
 
+    @fast_launch
     @triton.jit
     def _amax_kernel(
         x_ptr, mean_ptr, amax_ptr, L, H, sx_b, sx_h, sx_l,
@@ -170,6 +182,7 @@ if HAS_TRITON:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         tl.atomic_max(amax_ptr, amax.to(tl.int32, bitcast=True))
 
+    @fast_launch
     @triton.jit
     def _quant_kernel(
         x_ptr, mean_ptr, amax_ptr, out_ptr, scales_ptr, L, H, sx_b, sx_h, sx_l,
@@ -196,6 +209,7 @@ if HAS_TRITON:
                 tl.store(scales_ptr + 4, 448.0)
                 tl.store(scales_ptr + 5, 1.0 / 448.0)
 
+    @fast_launch
     @triton.jit
     def _dequant_kernel(
         o_ptr, scales_ptr, mean_ptr, out_ptr, L, HD,

@@ -18,6 +18,7 @@ from ._triton import (
     HAS_TRITON,
     common_reason,
     custom_op,
+    fast_launch,
     grad_reason,
     log_fallback_once,
     tl,
@@ -89,6 +90,7 @@ if HAS_TRITON:
             y = y * tl.sigmoid(y)
         return y
 
+    @fast_launch
     @triton.jit
     def _channel_rms_norm_silu_kernel(
         x_ptr,

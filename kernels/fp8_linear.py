@@ -21,7 +21,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, custom_op, grad_reason, log_fallback_once, tl, triton, unsupported
+from ._triton import (
+    HAS_TRITON,
+    custom_op,
+    fast_launch,
+    grad_reason,
+    log_fallback_once,
+    tl,
+    triton,
+    unsupported,
+)
 
 OP = "fp8_linear"
 OP_QUANT = "quantize_rows"
@@ -75,6 +84,7 @@ def fp8_linear_reference(
 
 if HAS_TRITON:
 
+    @fast_launch
     @triton.jit
     def _quantize_rows_kernel(
         x_ptr, q_ptr, s_ptr, K, sx_m, sq_m, GELU: tl.constexpr, BLOCK_K: tl.constexpr
@@ -111,6 +121,7 @@ if HAS_TRITON:
         m, k = x.shape
         return x.new_empty((m, k), dtype=FP8), x.new_empty((m, 1), dtype=torch.float32)
 
+    @fast_launch
     @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m,

@@ -24,6 +24,7 @@ from ._triton import (
     HAS_TRITON,
     common_reason,
     custom_op,
+    fast_launch,
     grad_reason,
     log_fallback_once,
     tl,
@@ -65,6 +66,7 @@ def gated_residual_layernorm_modulate_reference(
 if HAS_TRITON:
     from .layernorm_modulate import _ln_modulate_row, _num_warps, _unit_stride
 
+    @fast_launch
     @triton.jit
     def _gated_residual_kernel(
         x_ptr,
@@ -101,6 +103,7 @@ if HAS_TRITON:
         out = out_ptr + b * stride_ob + t * stride_ol + offs
         tl.store(out, h.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @fast_launch
     @triton.jit
     def _gated_residual_layernorm_modulate_kernel(
         x_ptr,

@@ -27,6 +27,7 @@ from ._triton import (
     HAS_TRITON,
     common_reason,
     custom_op,
+    fast_launch,
     grad_reason,
     log_fallback_once,
     tl,
@@ -94,6 +95,7 @@ if HAS_TRITON:
         num_warps = 8 if block_r * block_s >= 2048 else 4
         return block_r, block_s, num_warps
 
+    @fast_launch
     @triton.jit
     def _group_norm_silu_stats_kernel(
         x_ptr,
@@ -147,6 +149,7 @@ if HAS_TRITON:
         tl.store(pmean_ptr + pid, chunk_mean)
         tl.store(pm2_ptr + pid, chunk_m2)
 
+    @fast_launch
     @triton.jit
     def _group_norm_silu_combine_kernel(
         pmean_ptr,
@@ -190,6 +193,7 @@ if HAS_TRITON:
         tl.store(mean_ptr + grps, mean, mask=gmask)
         tl.store(rstd_ptr + grps, rstd, mask=gmask)
 
+    @fast_launch
     @triton.jit
     def _group_norm_silu_apply_kernel(
         x_ptr,

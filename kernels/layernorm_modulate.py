@@ -19,6 +19,7 @@ from ._triton import (
     HAS_TRITON,
     common_reason,
     custom_op,
+    fast_launch,
     grad_reason,
     log_fallback_once,
     tl,
@@ -80,6 +81,7 @@ if HAS_TRITON:
         # 1 + scale stays float32 here; ComfyUI rounds it to x's dtype first.
         return (xc * rstd) * (1.0 + scale) + shift
 
+    @fast_launch
     @triton.jit
     def _layernorm_modulate_kernel(
         x_ptr,

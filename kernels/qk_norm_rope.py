@@ -26,6 +26,7 @@ from ._triton import (
     DTYPES,
     HAS_TRITON,
     custom_op,
+    fast_launch,
     grad_reason,
     log_fallback_once,
     tl,
@@ -96,6 +97,7 @@ if HAS_TRITON:
         """Heads per program: all H when they fit the tile, else _TILE // D_BLOCK of them."""
         return max(1, min(triton.next_power_of_2(h), _TILE // d_block))
 
+    @fast_launch
     @triton.jit
     def _qk_norm_rope_kernel(
         x_ptr,

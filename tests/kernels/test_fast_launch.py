@@ -1,0 +1,128 @@
+"""kernels/_triton.FastLaunch: the compiled launcher called directly, keyed finer than Triton
+specializes, with Triton's own path for misses, hooks and Triton versions not checked."""
+
+import itertools
+
+import pytest
+import torch
+
+from qwen_turbo.kernels import _triton
+from tests.kernels.common import needs_cuda
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+def test_the_key_is_finer_than_tritons_specialization():
+    """Arguments with one key always get one specialization from Triton (else a launch could
+    run a kernel compiled for another alignment or integer type)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    base = torch.empty(64)
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+            -(2**31), -(2**31) - 16, 2**40 + 3, 2**63 - 16, 2**63, 2**64 - 16]  # fmt: skip
+    args = [*ints, True, False, 0.5, 16.0, None, *(base[i:] for i in range(6)),
+            *(base.to(d)[i:] for d in (torch.bfloat16, torch.uint8) for i in range(9))]  # fmt: skip
+    seen: dict = {}
+    for a in args:
+        triton_spec = native_specialize_impl(CUDABackend, a, False, True, True)
+        seen.setdefault(_triton._spec(a), set()).add(triton_spec)
+    assert all(len(specs) == 1 for specs in seen.values()), seen
+    assert len(seen) > 10  # the keys do tell arguments apart
+    with pytest.raises(TypeError):
+        _triton._spec("a string")
+
+
+def test_a_launch_hook_is_seen_as_set_only_when_it_is():
+    assert not _triton._hooked(None)
+    assert _triton._hooked(lambda metadata: None)
+    chain = getattr(triton.knobs, "HookChain", None)
+    if chain is not None:  # Triton 3.5+: the knob is a chain, empty unless a profiler adds one
+        hooks = chain()
+        assert not _triton._hooked(hooks)
+        hooks.add(lambda metadata: None)
+        assert _triton._hooked(hooks)
+
+
+@pytest.mark.parametrize("version", ["3.3.1", "3.7.0", "4.0.0"])
+def test_triton_versions_not_checked_launch_through_triton(monkeypatch, version):
+    monkeypatch.setattr(_triton, "INTERPRET", False)
+    monkeypatch.setattr(triton, "__version__", version)
+    assert version in _triton._direct_reason()
+
+
+def test_the_environment_can_turn_direct_launches_off(monkeypatch):
+    monkeypatch.setattr(_triton, "INTERPRET", False)
+    monkeypatch.setenv("QWEN_TURBO_TRITON_JIT_LAUNCH", "1")
+    assert "QWEN_TURBO_TRITON_JIT_LAUNCH" in _triton._direct_reason()
+
+
+def test_the_interpreter_launches_through_triton(monkeypatch):
+    monkeypatch.setattr(_triton, "INTERPRET", True)
+    assert "interpreter" in _triton._direct_reason()
+    fn = object()
+    monkeypatch.setattr(_triton, "DIRECT_UNAVAILABLE", "interpreter")
+    assert _triton.fast_launch(fn) is fn
+
+
+@triton.jit
+def _axpb_kernel(x_ptr, out_ptr, n, b, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    """out = a * x + b (squared with SQUARE): a float32 `a`, an int `b`."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    y = a * x + b
+    if SQUARE:
+        y = y * y
+    tl.store(out_ptr + offs, y, mask=offs < n)
+
+
+def _reference(x, b, a, square):
+    y = a * x.double() + b
+    return (y * y if square else y).float()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_direct_launches_match_tritons_and_are_keyed_on_what_triton_specializes(monkeypatch):
+    if _triton.DIRECT_UNAVAILABLE is not None:
+        pytest.skip(_triton.DIRECT_UNAVAILABLE)
+    kernel = _triton.FastLaunch(_axpb_kernel)
+    g = torch.Generator("cuda").manual_seed(0)
+    base = torch.randn(4100, device="cuda", generator=g)
+    jit_launches = []
+    run = type(_axpb_kernel).run
+
+    def counted(self, *args, **kwargs):
+        jit_launches.append(args)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(_axpb_kernel), "run", counted)
+    # odd sizes, a misaligned view, ints that are 1 or multiples of 16, both constexprs
+    cases = itertools.product((0, 1), (4099, 1000), (1, 16, 17), (False, True))
+    for offset, n, b, square in cases:
+        x = base[offset : offset + n]
+        out = torch.full((n + 1,), float("nan"), device="cuda")[1:]  # misaligned, poisoned
+        for _ in range(2):  # a miss, then a direct launch
+            out.fill_(float("nan"))
+            kernel[(triton.cdiv(n, 256),)](x, out, n, b, 0.5, BLOCK=256, SQUARE=square)
+            torch.testing.assert_close(out, _reference(x, b, 0.5, square), rtol=1e-6, atol=1e-6)
+    assert len(jit_launches) == len(kernel.kernels) > 8  # each key went through Triton once
+
+    # inside a CUDA graph: the direct launch is captured and replays
+    x, out = base[:1000].clone(), torch.empty(1000, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        kernel[(4,)](x, out, 1000, 16, 0.5, BLOCK=256, SQUARE=False)
+    x.copy_(base[1000:2000])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(out, _reference(x, 16, 0.5, False), rtol=1e-6, atol=1e-6)
+
+    # a launch hook (a profiler's) sees every launch: Triton's own path
+    before = len(jit_launches)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    kernel[(4,)](x, out, 1000, 16, 0.5, BLOCK=256, SQUARE=False)
+    assert len(jit_launches) == before + 1
