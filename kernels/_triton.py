@@ -122,6 +122,8 @@ class FastLaunch:
         self.jit = jit
         self.params = [(p.name, p.is_constexpr, p.default) for p in jit.params]
         self.kernels: dict = {}
+        # how many leading parameters are not constexprs (their args keyed by `_spec` alone)
+        self.runtime = next((i for i, (_, c, _) in enumerate(self.params) if c), len(self.params))
 
     def __getattr__(self, name):
         return getattr(self.jit, name)
@@ -132,7 +134,12 @@ class FastLaunch:
     def _key(self, args, meta) -> tuple:
         """The launch's key (constexprs given by position: their values); TypeError where an
         argument has none."""
-        specs = tuple(a if c else _spec(a) for a, (_, c, _) in zip(args, self.params, strict=False))
+        if len(args) <= self.runtime:
+            specs = tuple(map(_spec, args))
+        else:
+            specs = tuple(
+                a if c else _spec(a) for a, (_, c, _) in zip(args, self.params, strict=False)
+            )
         return torch.cuda.current_device(), specs, tuple(meta.items())
 
     def launch(self, grid, args, meta):

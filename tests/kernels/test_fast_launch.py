@@ -109,6 +109,12 @@ def test_direct_launches_match_tritons_and_are_keyed_on_what_triton_specializes(
             torch.testing.assert_close(out, _reference(x, b, 0.5, square), rtol=1e-6, atol=1e-6)
     assert len(jit_launches) == len(kernel.kernels) > 8  # each key went through Triton once
 
+    # constexprs given by position are keyed on their values
+    x, out = base[:1000], torch.empty(1000, device="cuda")
+    for square in (False, True, False, True):
+        kernel[(4,)](x, out, 1000, 16, 0.5, 256, square)
+        torch.testing.assert_close(out, _reference(x, 16, 0.5, square), rtol=1e-6, atol=1e-6)
+
     # inside a CUDA graph: the direct launch is captured and replays
     x, out = base[:1000].clone(), torch.empty(1000, device="cuda")
     stream = torch.cuda.Stream()
