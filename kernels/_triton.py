@@ -112,9 +112,9 @@ def _hooked(hook) -> bool:
 class FastLaunch:
     """A `triton.jit` kernel launched as Triton's are (`kernel[grid](*args, **meta)`), through
     the compiled kernel's launcher once Triton has compiled it for the arguments' key
-    (`_spec`: finer than Triton's own specialization). That skips `JITFunction.run`'s binding
-    and cache lookup: a launch costs the host about 7 us instead of 20 (H100 host, Triton 3.6;
-    the eager DiT at 1328^2 makes about 30 a block). Misses, launch hooks (profilers) and
+    (`_spec`: finer than Triton's own specialization). That skips `JITFunction.run`'s binding,
+    cache lookup and launch metadata, which the eager DiT pays about 30 times a block
+    (`benchmarks/host_time.py --jit-launch` compares the two). Misses, launch hooks (profilers) and
     callable grids take Triton's own path. Other attributes are the kernel's (`warmup`,
     `device_caches`)."""
 
