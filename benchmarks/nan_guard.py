@@ -3,11 +3,12 @@
 The Optimized Loader's model as the bundled workflows load it (fp8_e4m3fn_fast, fused blocks,
 fp8_cudnn attention), random full-size weights (60 layers unless --layers), 256 text tokens.
 At each size the node runs --steps euler/simple steps with the guard and without it
-(alternating, the median of --repeats later runs after a first that captures; the
-workflows' capture mode, whole CFG step). Then block 0's
+(alternating, the median of --repeats later runs after a first that captures; --capture,
+the workflows' whole CFG step unless set). Then block 0's
 output is made NaN off the safe path (tests/harness/models.nan_in_block): the node's latent is
 compared with that of KSampler run throughout on the safe path (fp8 GEMMs in bf16 compute,
-ComfyUI's attention). Prints a table and JSON on the last line.
+ComfyUI's attention), run twice to tell whether that path repeats itself bit for bit. Prints a
+table and JSON on the last line.
 
     python benchmarks/nan_guard.py --sizes 1328 2512 --steps 8
 """
@@ -35,6 +36,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cfg", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--capture", default="whole CFG step", help="the sampler's capture mode")
     a = p.parse_args()
     setup_comfy(highvram=True)
     import comfy.model_management as mm
@@ -68,7 +70,7 @@ def main():
         try:
             with torch.inference_mode():
                 out = CUDAGraphSampler.execute(model, 0, a.steps, a.cfg, "euler", "simple",
-                                               pos, neg, latent, 1.0, "whole CFG step")  # fmt: skip
+                                               pos, neg, latent, 1.0, a.capture)  # fmt: skip
         finally:
             guard.guarded = with_guard
         return out.result[0]["samples"]
@@ -99,8 +101,9 @@ def main():
         options = safe.model_options["transformer_options"]
         options.pop(OVERRIDE, None)
         with fp8.safe_compute(), torch.inference_mode():
-            want = comfy_nodes.common_ksampler(safe, 0, a.steps, a.cfg, "euler", "simple", pos,
-                                               neg, latent)[0]["samples"]  # fmt: skip
+            want, again = (comfy_nodes.common_ksampler(safe, 0, a.steps, a.cfg, "euler", "simple",
+                                                       pos, neg, latent)[0]["samples"]
+                           for _ in range(2))  # fmt: skip
         lossy = node(latent)
         rows.append({
             "size": size, "first_s": {"guard": round(first[True], 3),
@@ -108,6 +111,7 @@ def main():
             "guard_s": round(t_guard, 3), "no_guard_s": round(t_none, 3),
             "overhead": round(t_guard / t_none - 1, 4),
             "nan_equal_safe_path": bool(torch.equal(out, want)),
+            "safe_path_repeats": bool(torch.equal(again, want)),  # KSampler's, run twice
             "nan_rel_l2_to_safe_path": bench.rel_l2(out.float(), want.float()),
             "safe_path_rel_l2_to_lossy": bench.rel_l2(want.float(), lossy.float()),
             "badge": badge,
