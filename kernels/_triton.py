@@ -153,7 +153,7 @@ class FastLaunch:
             return self.jit[grid](*args, **meta)
         if hit is None:
             compiled = self.jit[grid](*args, **meta)
-            if any(not c and n in meta for n, c, _ in self.params):
+            if compiled is None or any(not c and n in meta for n, c, _ in self.params):
                 return compiled  # a runtime argument given by name: Triton's path each time
             # the launcher takes every parameter in order, constexprs included, as run() passes
             tail = tuple(meta.get(n, d) for n, _, d in self.params[len(args) :])

@@ -66,6 +66,102 @@ def test_the_interpreter_launches_through_triton(monkeypatch):
     assert _triton.fast_launch(fn) is fn
 
 
+class _StandIn:
+    """What FastLaunch uses of a `triton.jit` kernel: its parameters, `kernel[grid](...)`
+    (Triton's own path, recorded), and the compiled kernel that call returns (its launcher
+    recorded). For the launch logic on machines without a GPU; the GPU test below launches
+    a real kernel."""
+
+    def __init__(self):
+        import inspect
+
+        names = [("x_ptr", False), ("n", False), ("a", False), ("BLOCK", True), ("FLAG", True)]
+        self.params = [
+            type("Param", (), {"name": n, "is_constexpr": c,
+                               "default": False if n == "FLAG" else inspect.Parameter.empty})()
+            for n, c in names
+        ]  # fmt: skip
+        self.jit_calls, self.direct = [], []
+        stand_in = self
+
+        class Compiled:
+            function, packed_metadata = "function", "metadata"
+
+            @staticmethod
+            def run(*args):
+                stand_in.direct.append(args)
+
+        self.compiled = Compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.jit_calls.append((grid, args, meta))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    if not hasattr(triton, "knobs"):
+        pytest.skip(f"Triton {triton.__version__} has no knobs (FastLaunch is off there)")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    return _triton.FastLaunch(_StandIn())
+
+
+def test_a_launch_seen_before_goes_to_the_compiled_launcher_with_every_parameter(stand_in):
+    jit = stand_in.jit
+    x = torch.empty(64)
+    stand_in[(3, 2)](x, 100, 0.5, BLOCK=64)  # compiled through Triton's path
+    stand_in[(5,)](x, 200, 0.25, BLOCK=64)  # same key: n is neither 1 nor a multiple of 16
+    assert len(jit.jit_calls) == 1
+    # grid padded to three, the stream, then every parameter in order: FLAG's default last
+    assert jit.direct == [(5, 1, 1, 1234, "function", "metadata", None, None, None,
+                           x, 200, 0.25, 64, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: ((t[1:], 100, 0.5), {"BLOCK": 64}),  # x no longer 16-byte aligned
+        lambda t: ((t, 96, 0.5), {"BLOCK": 64}),  # n a multiple of 16
+        lambda t: ((t, 1, 0.5), {"BLOCK": 64}),  # n == 1: a constexpr to Triton
+        lambda t: ((t, 2**31, 0.5), {"BLOCK": 64}),  # n an i64
+        lambda t: ((t.half(), 100, 0.5), {"BLOCK": 64}),  # another dtype
+        lambda t: ((t, 100, 0.5), {"BLOCK": 128}),  # another constexpr
+        lambda t: ((t, 100, 0.5), {"BLOCK": 64, "num_warps": 8}),  # another option
+        lambda t: ((t, 100, 0.5, 64, True), {}),  # constexprs by position, another value
+    ],
+)
+def test_what_triton_specializes_on_takes_triton_s_path_again(stand_in, change):
+    x = torch.empty(64)
+    stand_in[(1,)](x, 100, 0.5, BLOCK=64)
+    args, meta = change(x)
+    stand_in[(1,)](*args, **meta)
+    assert len(stand_in.jit.jit_calls) == 2 and not stand_in.jit.direct
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["runtime argument by name", "callable grid", "argument without a key", "launch hook"],
+)
+def test_launches_fastlaunch_cannot_key_take_triton_s_path_every_time(stand_in, monkeypatch, how):
+    x = torch.empty(64)
+    grid, args, meta = (1,), (x, 100, 0.5), {"BLOCK": 64}
+    if how == "runtime argument by name":
+        args, meta = (x, 100), {"a": 0.5, "BLOCK": 64}
+    elif how == "callable grid":
+        grid = lambda meta: (1,)  # noqa: E731
+    elif how == "argument without a key":
+        args = (x, 100, "0.5")
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    for _ in range(3):
+        stand_in[grid](*args, **meta)
+    assert len(stand_in.jit.jit_calls) == 3 and not stand_in.jit.direct
+
+
 @triton.jit
 def _axpb_kernel(x_ptr, out_ptr, n, b, a, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
     """out = a * x + b (squared with SQUARE): a float32 `a`, an int `b`."""
