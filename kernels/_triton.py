@@ -115,8 +115,12 @@ class FastLaunch:
     (`_spec`: finer than Triton's own specialization). That skips `JITFunction.run`'s binding,
     cache lookup and launch metadata, which the eager DiT pays about 30 times a block
     (`benchmarks/host_time.py --jit-launch` compares the two). Misses, launch hooks (profilers) and
-    callable grids take Triton's own path. Other attributes are the kernel's (`warmup`,
-    `device_caches`)."""
+    callable grids take Triton's own path, and every launch once a launcher has refused its
+    arguments (a Triton whose launcher parses others). Other attributes are the kernel's
+    (`warmup`, `device_caches`)."""
+
+    # why a compiled launcher refused its arguments; then every launch goes through Triton
+    refused: str | None = None
 
     def __init__(self, jit):
         self.jit = jit
@@ -144,7 +148,9 @@ class FastLaunch:
 
     def launch(self, grid, args, meta):
         hooks = triton.knobs.runtime
-        if callable(grid) or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
+        if callable(grid) or FastLaunch.refused is not None:
+            return self.jit[grid](*args, **meta)
+        if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             return self.jit[grid](*args, **meta)
         try:
             key = self._key(args, meta)
@@ -163,7 +169,13 @@ class FastLaunch:
         stream = torch._C._cuda_getCurrentRawStream(key[0])
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
+        try:
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
+        except TypeError as e:  # arguments this Triton's launcher does not parse: nothing ran
+            FastLaunch.refused = str(e)
+            log.warning("Triton kernels launch through Triton's own launcher from now on: %s "
+                        "refused the direct call (%s)", self.jit.__name__, e)  # fmt: skip
+            return self.jit[grid](*args, **meta)
         return None
 
 

@@ -72,6 +72,8 @@ class _StandIn:
     recorded). For the launch logic on machines without a GPU; the GPU test below launches
     a real kernel."""
 
+    __name__ = "_stand_in_kernel"
+
     def __init__(self):
         import inspect
 
@@ -160,6 +162,27 @@ def test_launches_fastlaunch_cannot_key_take_triton_s_path_every_time(stand_in, 
     for _ in range(3):
         stand_in[grid](*args, **meta)
     assert len(stand_in.jit.jit_calls) == 3 and not stand_in.jit.direct
+
+
+def test_a_launcher_that_refuses_its_arguments_sends_every_launch_through_triton(
+    stand_in, monkeypatch, caplog
+):
+    """A Triton whose launcher parses other arguments than 3.4-3.6's raises before launching:
+    that launch and all later ones go through Triton's own path, with a warning."""
+    monkeypatch.setattr(_triton.FastLaunch, "refused", None)
+    jit = stand_in.jit
+
+    def refuse(*args):
+        raise TypeError("function takes exactly 14 arguments (13 given)")
+
+    monkeypatch.setattr(jit.compiled, "run", staticmethod(refuse))
+    x = torch.empty(64)
+    with caplog.at_level("WARNING", logger=_triton.__name__):
+        for _ in range(3):
+            stand_in[(1,)](x, 100, 0.5, BLOCK=64)
+    assert len(jit.jit_calls) == 3
+    assert "refused the direct call" in caplog.text
+    assert _triton.FastLaunch.refused is not None
 
 
 @triton.jit
