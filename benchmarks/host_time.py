@@ -8,8 +8,9 @@ waits on it (--tries of them; with --jit-launch, each followed by one through Tr
 launcher). "eager" is CUDA-event time of the plain forward. "graph" is
 the forward replayed from a CUDA graph. With --sample, where the host's time goes: a thread
 samples the issuing thread's Python stack every 0.1 ms (no tracing, so the profile's own cost
-does not weigh on small functions) and the functions most often on it are printed (inclusive
-share, and the share with that function on top). Prints a table and JSON on the last line.
+does not weigh on small functions; calls that let go of the GIL wait for it and weigh a little
+more) and the functions most often on it are printed (inclusive share, and the share with that
+function on top). Prints a table and JSON on the last line.
 """
 
 import argparse
