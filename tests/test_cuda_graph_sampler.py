@@ -6,10 +6,12 @@ runs inside real sampling.
 """
 
 import asyncio
+import contextlib
 import copy
 import logging
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import comfy.conds
@@ -294,6 +296,72 @@ def test_a_model_streaming_its_weights_frees_room_for_the_cond_batch(dit, monkey
     assert out == "prepared"
     want = int(sampling.COND_BATCH_FACTOR * batch + sampling.COND_BATCH_MARGIN - free)
     assert freed == ([want] if asked else [])
+
+
+@pytest.mark.parametrize("case", ["partly loads", "loads whole", "more than half", "loaded"])
+def test_the_load_of_a_model_streaming_its_weights_leaves_the_cond_batch_room(dit, monkeypatch,
+                                                                              case):  # fmt: skip
+    """Where ComfyUI's load would leave a static model partly on the host, that room is held
+    on the GPU during the load, so that the load leaves it free: what ComfyUI leaves free for
+    one cond, subtracted from 1.5 times the batch's estimate and a margin. Nothing is held where
+    the whole model loads or where the room would take more than half of what it loads; and
+    nothing is unloaded after a load that left the room."""
+    model = dit.clone()
+    latent = torch.zeros(1, 16, 64, 64)
+    conds = {k: comfy.sampler_helpers.convert_cond(_cond(8, i))
+             for i, k in enumerate(("positive", "negative"))}  # fmt: skip
+    batch, single = comfy.sampler_helpers.estimate_memory(model, latent.shape, conds)
+    left = max(mm.minimum_inference_memory(), single + mm.extra_reserved_memory())
+    want = int(sampling.COND_BATCH_FACTOR * batch + sampling.COND_BATCH_MARGIN - left)
+    assert want > 0
+    size = {"loads whole": 2**30, "more than half": 3 * want}.get(case, 40 * 2**30)
+    monkeypatch.setattr(model, "model_size", lambda: size)
+    free = {"more than half": left + 3 * want // 2}.get(case, left + 8 * want)
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: free)
+    monkeypatch.setattr(model, "get_free_memory", lambda device: free - want, raising=False)
+    monkeypatch.setattr(mm, "current_loaded_models", [])
+    loaded = size // 4 if case == "loaded" else 0
+    monkeypatch.setattr(model, "loaded_size", lambda: loaded)
+    holds, freed = [], []
+
+    @contextlib.contextmanager
+    def held(device, nbytes):
+        holds.append(nbytes)
+        yield
+
+    monkeypatch.setattr(sampling, "held", held)
+    monkeypatch.setattr(model, "partially_unload", lambda device, n: freed.append(n) or n)
+
+    def load(model, *args, **kwargs):
+        assert holds, "the room is held while ComfyUI loads"
+        monkeypatch.setattr(model, "loaded_size", lambda: loaded or size // 2)
+        monkeypatch.setattr(model, "get_free_memory", lambda device: free, raising=False)
+        return "prepared"
+
+    assert sampling.room_for_cond_batch(load, model, latent.shape, conds) == "prepared"
+    assert holds == [want if case in ("partly loads", "loaded") else 0]
+    assert freed == []
+
+
+def test_held_takes_the_bytes_for_the_block_or_none_where_they_are_not_free(monkeypatch):
+    """The room is a tensor of that many bytes while the block runs; where the allocation
+    fails for lack of memory the block runs without it."""
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
+    with sampling.held(torch.device("cpu"), 1000):
+        assert [t.numel() for t in made] == [1000]
+        block = weakref.ref(made.pop())
+        assert block() is not None
+    assert block() is None
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(torch, "empty", full)
+    with sampling.held(torch.device("cpu"), 1000):
+        ran = True
+    assert ran
 
 
 @pytest.mark.parametrize("cfg", [1.0, 2.5])

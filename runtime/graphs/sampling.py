@@ -4,11 +4,12 @@ graphs stay only where they leave ComfyUI the room it counts on. Each step's out
 checked for NaN and Inf (`guard`)."""
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import comfy.sampler_helpers
+import torch
 
 import nodes as comfy_nodes
 
@@ -71,25 +72,69 @@ def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
     """PREPARE_SAMPLING wrapper: a model loaded statically and left partly on the host copies
     those weights to the GPU at every call, and ComfyUI, with too little free for cond and
     uncond together, calls it once per cond. Where the conds could run as one batch (texts
-    of one length: a zeroed negative, say), it frees as many more of its weights as that
-    batch needs (at most half of what is loaded): they then cross once a step. Models that
-    load on demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
-    out = executor(model, noise_shape, conds, *args, **kwargs)
+    of one length: a zeroed negative, say), the load leaves that batch's room (at most half
+    of what it would load): the weights then cross once a step. The load is sized by holding
+    that room on the GPU while ComfyUI loads (`load_hold`), so no weight is loaded only to be
+    copied back and pinned; what it still leaves short is freed after it. Models that load on
+    demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
+    dynamic = getattr(model, "is_dynamic", lambda: False)()
+    estimate = None if dynamic else cond_batch(model, noise_shape, conds)
+    hold = load_hold(model, *estimate) if estimate else 0
+    with held(model.load_device, hold):
+        out = executor(model, noise_shape, conds, *args, **kwargs)
     loaded, size = model.loaded_size(), model.model_size()
-    if getattr(model, "is_dynamic", lambda: False)() or not 0 < loaded < size:
+    if estimate is None or not 0 < loaded < size:
         return out
-    shapes = [cond_shape(c) for cs in conds.values() for c in cs]
-    if len(shapes) < 2 or len(set(shapes)) != 1:
-        return out  # Qwen-Image batches no texts of different lengths: a prompt and its negative
-    device = model.load_device
-    batch = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0]
-    free = getattr(model, "get_free_memory", mm.get_free_memory)(device)
-    short = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - free)
-    if 0 < short <= loaded // 2:
+    free = getattr(model, "get_free_memory", mm.get_free_memory)(model.load_device)
+    short = int(COND_BATCH_FACTOR * estimate[0] + COND_BATCH_MARGIN - free)
+    unload = 0 < short <= loaded // 2
+    if unload:
         model.partially_unload(model.offload_device, short)
+    if hold or unload:
         log_once(log, logging.INFO, "CUDA Graph Sampler: the weights stream from the host; "
                  "more of them stream so that cond and uncond run as one batch")  # fmt: skip
     return out
+
+
+def cond_batch(model, noise_shape, conds) -> tuple[int, int] | None:
+    """ComfyUI's estimates for cond and uncond as one batch and for one cond, or None where it
+    would not batch them (one cond; Qwen-Image batches no texts of different lengths)."""
+    shapes = [cond_shape(c) for cs in conds.values() for c in cs]
+    if len(shapes) < 2 or len(set(shapes)) != 1:
+        return None
+    return comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
+
+
+def load_hold(model, batch: int, single: int) -> int:
+    """Bytes to hold on the GPU while ComfyUI loads `model` so that the load leaves room for
+    the cond batch (`batch`, ComfyUI's estimate): ComfyUI leaves free what one cond needs
+    (`single`, with its reserve: `load_models_gpu`'s minimum) and loads what else there is (the
+    memory of every model on the device) up to the model's size. 0 where it would load the
+    whole model, or where the room would take more than half of what it loads."""
+    device = model.load_device
+    left = max(mm.minimum_inference_memory(), single + mm.extra_reserved_memory())
+    room = mm.get_free_memory(device) + sum(
+        m.model_loaded_memory() for m in mm.current_loaded_models if m.device == device
+    )
+    budget = room - left
+    hold = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - left)
+    if budget >= model.model_size() or not 0 < hold <= budget // 2:
+        return 0
+    return hold
+
+
+@contextmanager
+def held(device: torch.device, nbytes: int):
+    """`nbytes` of `device`'s memory taken for the block (none where 0 or where they are not
+    free): ComfyUI's free count leaves them out, and they are free again after it."""
+    block = None
+    if nbytes > 0:
+        with suppress(torch.OutOfMemoryError):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        yield
+    finally:
+        del block
 
 
 def cond_shape(cond: dict) -> tuple:
