@@ -2,6 +2,7 @@
 diffusers' blocks, weight modes, diffusers folders, LoRA on fp8, attention, clear errors."""
 
 import functools
+import gc
 import inspect
 import logging
 import weakref
@@ -513,6 +514,28 @@ def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_
     key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
     patcher.pin_weight_to_device(key)
     assert comfy.utils.get_attr(patcher.model, key).data_ptr() not in mapped
+
+
+def test_a_dropped_clone_leaves_the_page_locked_weights_to_its_parent(monkeypatch, narrow_sd):
+    """ComfyUI's clones share their parent's page-locked weights: a sampler's clone, dropped,
+    unpins none of them; the model's own patcher, dropped, unpins them all."""
+    if not hasattr(comfy.model_patcher.ModelPatcher, "unpin_all_weights"):
+        pytest.skip("this ComfyUI pins no weights")
+    unpinned = []
+    monkeypatch.setattr(mm, "pin_memory", lambda t: True)
+    monkeypatch.setattr(mm, "unpin_memory", lambda t: unpinned.append(t.data_ptr()) or True)
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "bf16")
+    key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
+    patcher.pin_weight_to_device(key)
+    clone = patcher.clone().clone()
+    assert clone.pinned is patcher.pinned == {key}
+    del clone
+    gc.collect()
+    assert unpinned == [] and patcher.pinned == {key}
+    ptr = comfy.utils.get_attr(patcher.model, key).data_ptr()
+    del patcher
+    gc.collect()
+    assert unpinned == [ptr]
 
 
 def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):

@@ -184,6 +184,17 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             device_to, memory_to_free - gained, *args, **kwargs
         )
 
+    def __del__(self):
+        """ComfyUI's. A clone shares its parent's page-locked weights (ComfyUI's `pinned` set)
+        and leaves them to it: ComfyUI's unpins them all whenever any clone is dropped, which
+        each sampling does with its clones, and the weights it streams would then be
+        page-locked again by the next."""
+        parent = getattr(self, "parent", None)
+        if parent is not None and getattr(parent, "pinned", None) is getattr(self, "pinned", 0):
+            self.detach(unpatch_all=False)
+            return
+        super().__del__()
+
     def pin_weight_to_device(self, key):
         """ComfyUI's. A weight in comfy-aimdo's file mapping is pinned as a copy (the driver
         cannot page-lock the mapping) where a load leaves it offloaded; where ComfyUI makes

@@ -118,6 +118,8 @@ def load_hold(model, batch: int, single: int) -> int:
     )
     budget = room - left
     hold = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - left)
+    log.debug("cond batch: %d MB to hold of the load's %d MB; the model is %d MB", hold >> 20,
+              budget >> 20, model.model_size() >> 20)  # fmt: skip
     if budget >= model.model_size() or not 0 < hold <= budget // 2:
         return 0
     return hold
