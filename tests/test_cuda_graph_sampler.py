@@ -343,25 +343,27 @@ def test_the_load_of_a_model_streaming_its_weights_leaves_the_cond_batch_room(di
     assert freed == []
 
 
-def test_held_takes_the_bytes_for_the_block_or_none_where_they_are_not_free(monkeypatch):
-    """The room is a tensor of that many bytes while the block runs; where the allocation
-    fails for lack of memory the block runs without it."""
+@pytest.mark.parametrize("limit, sizes", [(None, [400, 400, 200]), (1, [400])])
+def test_held_takes_the_bytes_for_the_block_as_far_as_they_are_free(monkeypatch, limit, sizes):
+    """The room is held in pieces of at most HOLD_PIECE while the block runs and let go after
+    it; where memory runs out the block runs with the pieces taken so far."""
+    monkeypatch.setattr(sampling, "HOLD_PIECE", 400)
     made = []
     empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
-    with sampling.held(torch.device("cpu"), 1000):
-        assert [t.numel() for t in made] == [1000]
-        block = weakref.ref(made.pop())
-        assert block() is not None
-    assert block() is None
 
-    def full(*args, **kwargs):
-        raise torch.OutOfMemoryError("out of memory")
+    def allocate(n, *args, **kwargs):
+        if len(made) == limit:
+            raise torch.OutOfMemoryError("out of memory")
+        made.append(empty(n, *args, **kwargs))
+        return made[-1]
 
-    monkeypatch.setattr(torch, "empty", full)
+    monkeypatch.setattr(torch, "empty", allocate)
     with sampling.held(torch.device("cpu"), 1000):
-        ran = True
-    assert ran
+        assert [t.numel() for t in made] == sizes
+        pieces = [weakref.ref(t) for t in made]
+        made.clear()
+        assert all(p() is not None for p in pieces)
+    assert all(p() is None for p in pieces)
 
 
 @pytest.mark.parametrize("cfg", [1.0, 2.5])

@@ -66,6 +66,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
 # free (samplers.calc_cond_batch); the margin covers the streamed block's weights.
 COND_BATCH_FACTOR = 1.5
 COND_BATCH_MARGIN = 256 * 2**20
+HOLD_PIECE = 64 * 2**20
 
 
 def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
@@ -118,8 +119,8 @@ def load_hold(model, batch: int, single: int) -> int:
     )
     budget = room - left
     hold = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - left)
-    log.debug("cond batch: %d MB to hold of the load's %d MB; the model is %d MB", hold >> 20,
-              budget >> 20, model.model_size() >> 20)  # fmt: skip
+    log.debug("cond batch: %d MB to hold of the load's %d MB; the model is %d MB",
+              hold / 2**20, budget / 2**20, model.model_size() / 2**20)  # fmt: skip
     if budget >= model.model_size() or not 0 < hold <= budget // 2:
         return 0
     return hold
@@ -127,16 +128,18 @@ def load_hold(model, batch: int, single: int) -> int:
 
 @contextmanager
 def held(device: torch.device, nbytes: int):
-    """`nbytes` of `device`'s memory taken for the block (none where 0 or where they are not
-    free): ComfyUI's free count leaves them out, and they are free again after it."""
-    block = None
-    if nbytes > 0:
-        with suppress(torch.OutOfMemoryError):
-            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """`nbytes` of `device`'s memory taken for the block, in pieces of at most HOLD_PIECE (the
+    allocator's free blocks after a run are many and smaller), as many as are free: ComfyUI's
+    free count leaves them out, and they are free again after it."""
+    pieces = []
+    with suppress(torch.OutOfMemoryError):
+        while nbytes > 0:
+            pieces.append(torch.empty(min(nbytes, HOLD_PIECE), dtype=torch.uint8, device=device))
+            nbytes -= HOLD_PIECE
     try:
         yield
     finally:
-        del block
+        del pieces
 
 
 def cond_shape(cond: dict) -> tuple:
