@@ -7,8 +7,9 @@ At each size the node runs --steps euler/simple steps with the guard and without
 the workflows' whole CFG step unless set). Then block 0's
 output is made NaN off the safe path (tests/harness/models.nan_in_block): the node's latent is
 compared with that of KSampler run throughout on the safe path (fp8 GEMMs in bf16 compute,
-ComfyUI's attention), run twice to tell whether that path repeats itself bit for bit. Prints a
-table and JSON on the last line.
+ComfyUI's attention), run twice to tell whether that path repeats itself bit for bit. The
+process's first run of the safe path comes before the NaN (at the first size), as its result
+differs from later runs' (`first_safe_path_rel_l2`). Prints a table and JSON on the last line.
 
     python benchmarks/nan_guard.py --sizes 1328 2512 --steps 8
 """
@@ -75,6 +76,14 @@ def main():
             guard.guarded = with_guard
         return out.result[0]["samples"]
 
+    def safe_path(latent):
+        """KSampler's latent on the safe path: fp8 GEMMs in bf16 compute, ComfyUI's attention."""
+        safe = model.clone()
+        safe.model_options["transformer_options"].pop(OVERRIDE, None)
+        with fp8.safe_compute(), torch.inference_mode():
+            return comfy_nodes.common_ksampler(safe, 0, a.steps, a.cfg, "euler", "simple", pos,
+                                               neg, latent)[0]["samples"]  # fmt: skip
+
     def timed(fn):
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -93,17 +102,12 @@ def main():
         t_guard, t_none = (statistics.median(times[k]) for k in (True, False))
         # graphs captured without the hook would replay without it: fresh ones, then gone
         sampling.memory.release(model.model)
+        first_safe = safe_path(latent) if not rows else None
         with nan_in_block(model, 0):
             out = node(latent)
         badge = badges[-1].get("graphs")
         sampling.memory.release(model.model)
-        safe = model.clone()
-        options = safe.model_options["transformer_options"]
-        options.pop(OVERRIDE, None)
-        with fp8.safe_compute(), torch.inference_mode():
-            want, again = (comfy_nodes.common_ksampler(safe, 0, a.steps, a.cfg, "euler", "simple",
-                                                       pos, neg, latent)[0]["samples"]
-                           for _ in range(2))  # fmt: skip
+        want, again = safe_path(latent), safe_path(latent)
         lossy = node(latent)
         rows.append({
             "size": size, "first_s": {"guard": round(first[True], 3),
@@ -112,6 +116,8 @@ def main():
             "overhead": round(t_guard / t_none - 1, 4),
             "nan_equal_safe_path": bool(torch.equal(out, want)),
             "safe_path_repeats": bool(torch.equal(again, want)),  # KSampler's, run twice
+            "first_safe_path_rel_l2": (bench.rel_l2(first_safe.float(), want.float())
+                                       if first_safe is not None else None),  # fmt: skip
             "nan_rel_l2_to_safe_path": bench.rel_l2(out.float(), want.float()),
             "safe_path_rel_l2_to_lossy": bench.rel_l2(want.float(), lossy.float()),
             "badge": badge,
