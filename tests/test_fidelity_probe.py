@@ -7,13 +7,14 @@ fails leaves the sampling running."""
 import logging
 
 import comfy.model_management as mm
+import comfy.ops
 import folder_paths
 import pytest
 import torch
 from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
 
 import nodes
-from qwen_turbo.runtime.dit import attention, config, fp8, loader, probe
+from qwen_turbo.runtime.dit import attention, config, fp8, loader, probe, streaming
 from qwen_turbo.runtime.dit.attention import OVERRIDE
 from tests.harness import models
 
@@ -124,16 +125,39 @@ def test_the_probe_runs_at_the_first_sampling_and_is_cached(
     _sample(again)  # nothing probed
 
 
-def test_the_probe_waits_while_the_weights_are_streamed(narrow_sd, user_dir, monkeypatch):
-    """A partly loaded model (ComfyUI's lowvram) streams its weights: the probe would stream
-    them twice more on a first run, so it waits for a sampling with them all on the GPU."""
-    model = _guarded(models.with_outliers(narrow_sd, [1]), user_dir, monkeypatch)
-    monkeypatch.setattr(loader, "streamed", lambda patcher: True)
-    _sample(model)
-    assert model.model.qwen_turbo.fidelity is None and not model.model.qwen_turbo.safe_blocks
-    monkeypatch.setattr(loader, "streamed", lambda patcher: False)
-    _sample(model)
-    assert model.model.qwen_turbo.safe_blocks == {1}
+def test_on_a_partly_loaded_model_each_block_reruns_on_its_staged_copies(outlier_model,
+                                                                         monkeypatch):  # fmt: skip
+    """On the model all on the device the streamer stages nothing. With every layer left on
+    the host (ComfyUI's lowvram load) it stages each block's copies once: the lossy rerun runs
+    on them, no layer of a block takes a copy of ComfyUI's, and the probe measures what it
+    measures on the model all on the device."""
+    cpu = torch.device("cpu")
+    resident = probe.measure(outlier_model.model, cpu, emulated_fp8_attention, 0.15)
+    streamer = loader.stream_offloaded_weights(outlier_model)
+    outlier_model.patch_model(cpu)  # all on the device: the streamer stages nothing
+    try:
+        loaded = probe.measure(outlier_model.model, cpu, emulated_fp8_attention, 0.15)
+        assert loaded.errors == resident.errors and streamer.copies == 0
+    finally:
+        outlier_model.unpatch_model(cpu)
+    streams = {id(m) for layers in streamer.layers for m in layers}
+    copies = []
+    cast = comfy.ops.cast_bias_weight
+
+    def counted(s, *args, **kwargs):
+        copies.extend([s] if id(s) in streams else [])
+        return cast(s, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", counted)
+    outlier_model.patch_model(cpu, lowvram_model_memory=1)
+    try:
+        assert all(streaming.offloaded(m) for layers in streamer.layers for m in layers)
+        got = probe.measure(outlier_model.model, cpu, emulated_fp8_attention, 0.15)
+    finally:
+        outlier_model.unpatch_model(cpu)
+    assert got.kept == [1] and got.errors == resident.errors
+    assert streamer.copies == len(streamer.layers) and copies == []
+    assert streamer.after is None
 
 
 def test_a_probe_that_runs_out_of_memory_leaves_the_sampling_running(

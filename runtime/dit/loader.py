@@ -158,6 +158,7 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
         inner = patcher.object_patches.get(key, block.forward)
         patcher.add_object_patch(key, streamer.forward(i, inner))
+    patcher.model.qwen_turbo.streamer = streamer
     return streamer
 
 
@@ -168,18 +169,13 @@ def set_attention(patcher, attention: str) -> None:
         options[OVERRIDE] = attention_override(attention, safe_blocks=safe)
 
 
-def streamed(patcher) -> bool:
-    """Whether ComfyUI left part of the model's weights on the host (its lowvram load)."""
-    return getattr(patcher.model, "model_lowvram", False)
-
-
 def fidelity_cache() -> probe.Cache:
     return probe.Cache(Path(folder_paths.get_user_directory()) / "qwen_turbo" / "fidelity.json")
 
 
 def guard_fidelity(patcher, path: Path, setting: str, threshold: float) -> None:
     """The fidelity probe for a model with lossy compute: its cached result applied now, or
-    the probe run at the first sampling (SAMPLER_SAMPLE: the weights are on the GPU by then),
+    the probe run at the first sampling (SAMPLER_SAMPLE: ComfyUI has loaded the weights by then),
     then cached. The result is logged and in `LoaderState.fidelity` for the badges."""
     state = patcher.model.qwen_turbo
     key = probe.cache_key(path, f"{setting}, threshold {threshold}")
@@ -192,10 +188,6 @@ def guard_fidelity(patcher, path: Path, setting: str, threshold: float) -> None:
 
     def probe_once(guider) -> None:
         model = guider.model_patcher
-        if streamed(model):  # the probe would stream the weights twice more, on a first run
-            log_once(log, logging.INFO, "Optimized Loader: the fidelity probe waits for a "
-                     "sampling with all the weights on the GPU")  # fmt: skip
-            return
         override = guider.model_options.get("transformer_options", {}).get(OVERRIDE)
         try:
             result = probe.measure(model.model, model.load_device, override, threshold)

@@ -46,6 +46,7 @@ class LoaderState:
     # probe's summary for the badge; None until it ran or was read from its cache
     safe_blocks: set[int] = field(default_factory=set)
     fidelity: str | None = None
+    streamer: streaming.BlockStreamer | None = None  # where the fp8 layers stream
 
 
 class Patcher(comfy.model_patcher.ModelPatcher):

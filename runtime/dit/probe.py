@@ -62,8 +62,10 @@ def measure(model, device, override, threshold: float) -> Fidelity:
     """Probe `model` (ComfyUI's BaseModel, its weights where ComfyUI loaded them, run on
     `device`) whose lossy path uses attention `override` (None: ComfyUI's attention). One
     forward on the safe path; each block, as it finishes, runs again lossy on a copy of its
-    inputs (its forward inside the weight streamer: no hooks, no copies made ahead), so no
-    more than one block's inputs are held."""
+    inputs, so no more than one block's inputs are held. Where the model streams offloaded
+    weights (`LoaderState.streamer`), the rerun runs while the block's copies are on the GPU,
+    so they cross once; elsewhere it runs the block's forward below the streamer's, whose
+    offloaded layers take ComfyUI's copies."""
     t0 = time.perf_counter()
     blocks = model.diffusion_model.transformer_blocks
     x, sigma, ctx = _inputs(model, device)
@@ -73,26 +75,31 @@ def measure(model, device, override, threshold: float) -> Fidelity:
     def before(module, args, kwargs):
         inputs.update({k: kwargs[k].clone() for k in STREAMS})
 
-    def after(module, args, kwargs, out):
+    def rerun(i, out, kwargs, call):
         options = {**kwargs["transformer_options"], **lossy, "block_index": len(errors)}
-        again = {
-            **kwargs,
-            **{k: inputs[k].clone() for k in STREAMS},
-            "transformer_options": options,
-        }
         with fp8.safe_compute(False):
-            got = inspect.unwrap(module.forward)(**again)
+            got = call(**{k: inputs[k].clone() for k in STREAMS}, transformer_options=options)
         errors.append(max(_rel(g - inputs[k], o - inputs[k])
                           for g, o, k in zip(got, out, STREAMS, strict=True)))  # fmt: skip
 
+    def after(module, args, kwargs, out):
+        forward = inspect.unwrap(module.forward)
+        rerun(None, out, kwargs, lambda **changes: forward(**{**kwargs, **changes}))
+
+    streamer = getattr(getattr(model, "qwen_turbo", None), "streamer", None)
     handles = [b.register_forward_pre_hook(before, with_kwargs=True) for b in blocks]
-    handles += [b.register_forward_hook(after, with_kwargs=True) for b in blocks]
+    if streamer is None:
+        handles += [b.register_forward_hook(after, with_kwargs=True) for b in blocks]
+    else:
+        streamer.after = rerun
     try:
         with torch.inference_mode(), fp8.safe_compute():
             model.apply_model(x, sigma, c_crossattn=ctx, transformer_options={})
     finally:
         for h in handles:
             h.remove()
+        if streamer is not None:
+            streamer.after = None
     kept = [i for i, e in enumerate(errors) if e > threshold]
     apply(model, kept)
     return Fidelity(errors, kept, time.perf_counter() - t0)

@@ -142,6 +142,9 @@ class BlockStreamer:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies = 0  # blocks staged, for tests and the log
         self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
+        # after(i, output, kwargs, call): sees block i's output while its copies are staged;
+        # call(**changes) runs the block again there (the fidelity probe's lossy rerun)
+        self.after: Callable | None = None
 
     def _pinned(self, t: torch.Tensor, old: dict, new: dict) -> torch.Tensor:
         """`t`, page-locked where this host left it pageable: registered where it lies, else a
@@ -255,7 +258,7 @@ class BlockStreamer:
                 else:  # loaded: a pinned copy from before goes
                     m.__dict__.pop("_pinned", None)
             if not streamed:
-                return inner(hidden_states, *args, **kwargs)
+                return self._run(i, inner, hidden_states, args, kwargs)
             device = hidden_states.device
             # a layer reloaded since its copy was made takes ComfyUI's copy
             staged = [s for s in self._take(i, device) if s[0].weight is s[1]]
@@ -267,7 +270,7 @@ class BlockStreamer:
             try:
                 for m, _, tensors in staged:  # plain attributes: past nn.Module's __setattr__
                     m.__dict__["staged"] = tensors
-                return inner(hidden_states, *args, **kwargs)
+                return self._run(i, inner, hidden_states, args, kwargs)
             except BaseException:
                 self._drop_ahead()  # an interrupted call leaves no copies behind
                 raise
@@ -277,6 +280,17 @@ class BlockStreamer:
 
         forward.__wrapped__ = inner  # for inspect.unwrap: what this block runs
         return forward
+
+    def _run(self, i: int, inner: Callable, hidden_states, args, kwargs):
+        out = inner(hidden_states, *args, **kwargs)
+        if self.after is not None:
+
+            def call(**changes):
+                kw = {**kwargs, **changes}
+                return inner(kw.pop("hidden_states", hidden_states), *args, **kw)
+
+            self.after(i, out, kwargs, call)
+        return out
 
 
 def file_backed(tensors) -> set[int]:
