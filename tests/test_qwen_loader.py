@@ -319,6 +319,19 @@ def test_diffusers_folder_loads_the_same_weights(tmp_path, narrow_sd):
         files.read_checkpoint(folder)
 
 
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast"])
+def test_a_checkpoint_missing_a_linear_weight_is_named_unreadable(narrow_sd, weight_dtype):
+    """The fp8 Linears' weights are the state dict's own tensors (nothing allocated for them
+    first); one the file lacks is an incomplete download, said so, not left uninitialized."""
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), weight_dtype)
+    linears = [m for m in patcher.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and not any(t.is_meta for t in patcher.model.parameters())
+    sd = dict(narrow_sd)
+    del sd["transformer_blocks.1.attn.to_k.weight"]
+    with pytest.raises(files.Unreadable, match=r"lacks 1 weights .*to_k.weight.*download"):
+        loader.build(sd, config.read_config(narrow_sd), weight_dtype)
+
+
 def test_model_names_list_files_and_diffusers_folders(diffusion_models):
     names = files.model_names()
     assert models.qwen_dit_narrow_file().name in names

@@ -74,7 +74,9 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
     staged = None
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, device, dtype)
+        # weight and bias on the meta device: the state dict's tensors take their place
+        # (`_load_from_state_dict`), so nothing is allocated for them first (846 layers)
+        super().__init__(in_features, out_features, bias, "meta", dtype)
         self.scale_weight = torch.nn.Parameter(torch.ones((), device=device), requires_grad=False)
 
     def _load_from_state_dict(

@@ -5,6 +5,7 @@ the Optimized Loader node calls."""
 
 import contextlib
 import inspect
+import itertools
 import logging
 from pathlib import Path
 
@@ -121,11 +122,19 @@ def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
     manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
-    model = model.to(offload_device)
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if not t.is_meta:  # the Linears' weights are: the state dict's tensors replace them
+            t.data = t.data.to(offload_device)
     # with dynamic VRAM the state dict's tensors are views of comfy-aimdo's file mapping
     aimdo = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)
     views = {t.data_ptr() for t in sd.values() if t.device.type == "cpu"} - {0} if aimdo else set()
     model.load_model_weights(sd, "")
+    missing = [n for n, p in model.named_parameters() if p.is_meta]  # Linears the file lacks
+    if missing:
+        raise files.Unreadable(
+            f"the checkpoint lacks {len(missing)} weights of a Qwen-Image DiT ({missing[0]}, "
+            "...): it is incomplete; download it again"
+        )
     mapped = {p.data_ptr() for p in model.parameters()} & views
     if aimdo:
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
