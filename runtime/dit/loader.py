@@ -123,7 +123,7 @@ def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     for t in itertools.chain(model.parameters(), model.buffers()):
-        if not t.is_meta:  # the Linears' weights are: the state dict's tensors replace them
+        if not t.is_meta:  # the fp8 Linears' weights, until the state dict's tensors replace them
             t.data = t.data.to(offload_device)
     # with dynamic VRAM the state dict's tensors are views of comfy-aimdo's file mapping
     aimdo = getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False)

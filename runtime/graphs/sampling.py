@@ -66,7 +66,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
 # free (samplers.calc_cond_batch); the margin covers the streamed block's weights.
 COND_BATCH_FACTOR = 1.5
 COND_BATCH_MARGIN = 256 * 2**20
-HOLD_PIECE = 64 * 2**20
+HOLD_PIECE = 64 * 2**20  # `held`'s allocations: after a run, free blocks are rarely larger
 
 
 def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
