@@ -32,12 +32,17 @@ def per_picture(model, latent, positive, negative) -> int:
     return helpers.estimate_memory(model, [1, *latent.shape[1:]], conds)[1]
 
 
-def room(device) -> int:
-    """What a sampling run on `device` can have for activations: the free memory and what the
-    loaded models hold there (ComfyUI offloads them for room), less ComfyUI's reserve and
-    the weights that stay."""
+def freeable(device) -> int:
+    """The free memory on `device` and what the loaded models hold there (ComfyUI offloads
+    them for room)."""
     loaded = sum(m.model_loaded_memory() for m in mm.current_loaded_models if m.device == device)
-    return mm.get_free_memory(device) + loaded - mm.extra_reserved_memory() - WEIGHTS_FLOOR
+    return mm.get_free_memory(device) + loaded
+
+
+def room(device) -> int:
+    """What a sampling run on `device` can have for activations: `freeable`, less ComfyUI's
+    reserve and the weights that stay."""
+    return freeable(device) - mm.extra_reserved_memory() - WEIGHTS_FLOOR
 
 
 def check(model, latent, positive, negative) -> tuple[int | None, str | None]:

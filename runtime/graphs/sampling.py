@@ -112,12 +112,8 @@ def load_hold(model, batch: int, single: int) -> int:
     (`single`, with its reserve: `load_models_gpu`'s minimum) and loads what else there is (the
     memory of every model on the device) up to the model's size. 0 where it would load the
     whole model, or where the room would take more than half of what it loads."""
-    device = model.load_device
     left = max(mm.minimum_inference_memory(), single + mm.extra_reserved_memory())
-    room = mm.get_free_memory(device) + sum(
-        m.model_loaded_memory() for m in mm.current_loaded_models if m.device == device
-    )
-    budget = room - left
+    budget = batch_fit.freeable(model.load_device) - left
     hold = int(COND_BATCH_FACTOR * batch + COND_BATCH_MARGIN - left)
     log.debug("cond batch: %d MB to hold of the load's %d MB; the model is %d MB",
               hold / 2**20, budget / 2**20, model.model_size() / 2**20)  # fmt: skip
