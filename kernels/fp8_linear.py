@@ -11,12 +11,18 @@ activation scale, what ComfyUI's fp8_linear uses, does). Then
 holding it in registers), optionally applying GELU-tanh first, so the MLP's second linear
 takes the first one's raw output and the activation costs no extra pass.
 
+`fp8_linear_unscaled` leaves the row scales and the bias to the output's consumer: the GEMM
+then runs with one scale per operand (cuBLASLt's tensorwise kernels, 17-28% faster than its
+row-scaled ones at the DiT's MLP shapes on an H100) and returns an `Unscaled`, which
+`quantize_rows` and `gated_residual` finish as they read it.
+
 `fp8_gemv` is the path for a few rows (the timestep modulation: one row per sample): the
 activations stay in bf16 and the fp8 weight is read once, widened in registers, so it costs
 one pass over the fp8 weight instead of a bf16 copy of it.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +56,39 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+class Unscaled(NamedTuple):
+    """A linear's output before its per-row scales and bias: raw * row_scale + bias, in
+    float32 (`value()` rounds it to raw's dtype)."""
+
+    raw: torch.Tensor  # (..., N) in the activations' dtype
+    row_scale: torch.Tensor  # (M, 1) float32, one per row of raw (M = raw.numel() // N)
+    bias: torch.Tensor | None  # (N,) or None
+
+    def value(self) -> torch.Tensor:
+        y = self.raw.float() * self.row_scale.reshape(*self.raw.shape[:-1], 1)
+        return (y if self.bias is None else y + self.bias.float()).to(self.raw.dtype)
+
+
+def finished(y: "torch.Tensor | Unscaled") -> torch.Tensor:
+    """y as a tensor: an `Unscaled`'s value, any tensor as it is."""
+    return y.value() if isinstance(y, Unscaled) else y
+
+
 def quantize_rows_reference(
-    x: torch.Tensor, gelu: bool = False
+    x: torch.Tensor,
+    gelu: bool = False,
+    row_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (M, K) float. Returns (x_fp8 (M, K) float8_e4m3fn, scale (M, 1) float32) with
-    x ~= x_fp8 * scale; with `gelu`, of gelu_tanh(x) (in float32, from x as given)."""
+    x ~= x_fp8 * scale; with `gelu`, of gelu_tanh(x) (in float32, from x as given). With
+    `row_scale` ((M, 1) float32) and `bias` ((K,)), of x * row_scale + bias (an `Unscaled`'s
+    value, not rounded), then the GELU."""
     x = x.float()
+    if row_scale is not None:
+        x = x * row_scale
+    if bias is not None:
+        x = x + bias.float()
     if gelu:
         x = gelu_tanh(x)
     scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
@@ -87,13 +120,19 @@ if HAS_TRITON:
     @fast_launch
     @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, q_ptr, s_ptr, K, sx_m, sq_m, GELU: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
-        """One program: one row of x (unit stride along K) to fp8 plus its float32 scale."""
+        x_ptr, rs_ptr, b_ptr, q_ptr, s_ptr, K, sx_m, sq_m, GELU: tl.constexpr,
+        ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One program: one row of x (unit stride along K) to fp8 plus its float32 scale;
+        with ROW_SCALE and HAS_BIAS, of x * rs[row] + b (an `Unscaled`) first."""
         row = tl.program_id(0).to(tl.int64)  # int64: M * K passes 2^31 at 2512^2 (3e8 x 12288)
         offs = tl.arange(0, BLOCK_K)
         mask = offs < K
         x = tl.load(x_ptr + row * sx_m + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROW_SCALE:
+            x = x * tl.load(rs_ptr + row)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if GELU:
             # gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi)(x + 0.044715 x^3)
             u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
@@ -104,20 +143,24 @@ if HAS_TRITON:
         tl.store(s_ptr + row, scale)
 
     @custom_op("qwen_turbo::quantize_rows")
-    def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize_rows_op(
+        x: torch.Tensor, gelu: bool, row_scale: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x.shape
         q = torch.empty((m, k), dtype=FP8, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
             block_k = triton.next_power_of_2(k)
             _quantize_rows_kernel[(m,)](
-                x, q, s, k, x.stride(0), q.stride(0),
-                GELU=gelu, BLOCK_K=block_k, num_warps=16 if block_k >= 8192 else 8,
+                x, s if row_scale is None else row_scale, x if bias is None else bias, q, s, k,
+                x.stride(0), q.stride(0), GELU=gelu, ROW_SCALE=row_scale is not None,
+                HAS_BIAS=bias is not None, BLOCK_K=block_k,
+                num_warps=16 if block_k >= 8192 else 8,
             )  # fmt: skip
         return q, s
 
     @_quantize_rows_op.register_fake
-    def _(x, gelu):
+    def _(x, gelu, row_scale, bias):
         m, k = x.shape
         return x.new_empty((m, k), dtype=FP8), x.new_empty((m, 1), dtype=torch.float32)
 
@@ -180,13 +223,19 @@ if HAS_TRITON:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row fp8 quantization of x: (M, K) bfloat16/float16/float32 with unit stride along K.
+def quantize_rows(
+    x: "torch.Tensor | Unscaled", gelu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization of x: (M, K) bfloat16/float16/float32 with unit stride along K,
+    or an `Unscaled` of M rows (finished in float32 as it is read, not rounded first).
 
     Returns (x_fp8 (M, K) float8_e4m3fn, scale (M, 1) float32), x ~= x_fp8 * scale, the scale
     amax(row) / 448 (at least 1e-12). With `gelu`, of gelu_tanh(x) computed in float32.
     Uses the eager reference without Triton, off CUDA, for K > MAX_K or under autograd.
     """
+    row_scale = bias = None
+    if isinstance(x, Unscaled):
+        x, row_scale, bias = x.raw.reshape(-1, x.raw.shape[-1]), x.row_scale, x.bias
     reason = unsupported(x)
     if reason is None and x.dtype not in (*IN_DTYPES, torch.float32):
         reason = f"dtype {x.dtype} is not supported"
@@ -194,11 +243,13 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, to
         reason = f"x has shape {tuple(x.shape)}, not (M, K)"
     if reason is None and x.shape[1] > MAX_K:
         reason = f"K = {x.shape[1]} is wider than the kernel's row ({MAX_K})"
-    reason = reason or grad_reason(x)
+    if reason is None and bias is not None and (bias.device != x.device or bias.stride(0) != 1):
+        reason = "the bias is not a unit-stride vector on x's device"
+    reason = reason or grad_reason(x, bias)
     if reason is not None:
         log_fallback_once(OP_QUANT, reason)
-        return quantize_rows_reference(x, gelu)
-    return _quantize_rows_op(x if x.stride(1) == 1 else x.contiguous(), gelu)
+        return quantize_rows_reference(x, gelu, row_scale, bias)
+    return _quantize_rows_op(x if x.stride(1) == 1 else x.contiguous(), gelu, row_scale, bias)
 
 
 def fp8_gemm_reason(device: torch.device) -> str | None:
@@ -213,7 +264,8 @@ def fp8_gemm_reason(device: torch.device) -> str | None:
     return None
 
 
-def _why_not(x, weight, scale_weight, bias) -> str | None:
+def fp8_linear_reason(x, weight, scale_weight, bias) -> str | None:
+    """Why `fp8_linear` would not run an fp8 GEMM for these arguments, or None."""
     reason = fp8_gemm_reason(x.device)
     if reason is not None:
         return reason
@@ -255,7 +307,7 @@ def fp8_linear(
     (or for other dtypes/shapes, or under autograd) it uses `fp8_linear_reference`: bf16
     compute on the dequantized weight.
     """
-    reason = _why_not(x, weight, scale_weight, bias)
+    reason = fp8_linear_reason(x, weight, scale_weight, bias)
     if reason is not None:
         log_fallback_once(OP, reason)
         return fp8_linear_reference(x, weight, scale_weight, bias, gelu_input)
@@ -272,6 +324,37 @@ def fp8_linear(
         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype,
     )  # fmt: skip
     return out.reshape(*lead, n)
+
+
+_ones: dict[torch.device, torch.Tensor] = {}  # scale_a of the tensorwise GEMM, per device
+
+
+def fp8_linear_unscaled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gelu_input: bool = False,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Unscaled | None:
+    """`fp8_linear`'s output as an `Unscaled`: the GEMM of the fp8 rows and the weight times
+    its one scale (tensorwise), the row scales and the bias left to the consumer. Arguments as
+    `fp8_linear`'s, with one scale_weight value; None where `fp8_linear` would not run an fp8
+    GEMM or scale_weight has a value per column (the caller runs `fp8_linear`)."""
+    if scale_weight.numel() != 1 or fp8_linear_reason(x, weight, scale_weight, bias) is not None:
+        return None
+    if (one := _ones.get(x.device)) is None:
+        if torch.cuda.is_current_stream_capturing():  # made in a graph, it would hold no value
+            return None
+        one = _ones[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    if x_fp8 is None:
+        x_fp8 = quantize_rows(x.reshape(math.prod(lead), k), gelu_input)
+    xq, row_scale = x_fp8
+    scale_b = scale_weight.to(device=x.device, dtype=torch.float32).reshape(())
+    raw = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=scale_b, out_dtype=x.dtype)
+    return Unscaled(raw.reshape(*lead, n), row_scale, None if bias is None else bias.to(x.dtype))
 
 
 def _gemv_device_reason(device: torch.device) -> str | None:

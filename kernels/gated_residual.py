@@ -11,7 +11,8 @@ The first line is two kernels (gate * y, then + x) that round twice; the last tw
 `layernorm_modulate` op. Here:
 
   * `gated_residual(x, y, gate)`: x + gate[:, None] * y, float32 inside, rounded once.
-    Grid (B * L, cdiv(D, BLOCK_D)); one [BLOCK_D] chunk of one token row per program.
+    Grid (B * L, cdiv(D, BLOCK_D)); one [BLOCK_D] chunk of one token row per program. y may
+    be an fp8 GEMM's `Unscaled` output, finished (row scale, bias) in float32 as it is read.
   * `gated_residual_layernorm_modulate(x, y, gate, shift, scale)`: the residual and the next
     pre-norm in one pass, one token row per program: reads x and y once, writes the new x and
     its LayerNorm-modulated form. The norm is taken of the new x *as stored* (rounded to x's
@@ -30,6 +31,7 @@ from ._triton import (
     tl,
     triton,
 )
+from .fp8_linear import Unscaled
 from .layernorm_modulate import _why_not as _why_not_layernorm
 from .layernorm_modulate import layernorm_modulate_reference
 
@@ -71,6 +73,8 @@ if HAS_TRITON:
     def _gated_residual_kernel(
         x_ptr,
         y_ptr,
+        rs_ptr,
+        b_ptr,
         gate_ptr,
         out_ptr,
         L,
@@ -82,12 +86,15 @@ if HAS_TRITON:
         stride_gb,
         stride_ob,
         stride_ol,
+        ROW_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         """One program: values [j * BLOCK_D, (j + 1) * BLOCK_D) of token row (b, l).
 
         x, y, out: (B, L, D) with unit stride along D; gate: (B, D) with unit stride along D.
-        The grid is (B * L, cdiv(D, BLOCK_D)).
+        With ROW_SCALE and HAS_BIAS, y is y * rs[b * L + l] + bias (rs float32 (B * L,),
+        bias (D,)). The grid is (B * L, cdiv(D, BLOCK_D)).
         """
         row = tl.program_id(0)
         # int64 offsets: B * L * D passes 2^31 at batch 2 and ~2600 px.
@@ -97,9 +104,14 @@ if HAS_TRITON:
         mask = offs < D
         x = tl.load(x_ptr + b * stride_xb + t * stride_xl + offs, mask=mask, other=0.0)
         y = tl.load(y_ptr + b * stride_yb + t * stride_yl + offs, mask=mask, other=0.0)
+        y = y.to(tl.float32)
+        if ROW_SCALE:
+            y = y * tl.load(rs_ptr + row)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + b * stride_gb + offs, mask=mask, other=0.0)
         # float32 product and sum, one rounding to x's dtype (ComfyUI rounds gate * y first).
-        h = x.to(tl.float32) + g.to(tl.float32) * y.to(tl.float32)
+        h = x.to(tl.float32) + g.to(tl.float32) * y
         out = out_ptr + b * stride_ob + t * stride_ol + offs
         tl.store(out, h.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -160,13 +172,18 @@ if HAS_TRITON:
         tl.store(out, m.to(out_ptr.dtype.element_ty), mask=mask)
 
     def _launch(
-        x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, out: torch.Tensor
+        x: torch.Tensor,
+        y: torch.Tensor,
+        gate: torch.Tensor,
+        out: torch.Tensor,
+        row_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the residual kernel into `out`.
 
         x, y, out: (B, L, D), each with stride 1 along D (other strides free); gate: (B, D)
-        on x's device with stride 1 along D. Inputs of any float dtype are upcast to float32;
-        out's dtype is the result's.
+        on x's device with stride 1 along D; row_scale, bias: y's `Unscaled` parts or None.
+        Inputs of any float dtype are upcast to float32; out's dtype is the result's.
         """
         if out.numel() == 0:
             return out
@@ -176,6 +193,8 @@ if HAS_TRITON:
         _gated_residual_kernel[grid](
             x,
             y,
+            gate if row_scale is None else row_scale,
+            gate if bias is None else bias,
             gate,
             out,
             n,
@@ -187,6 +206,8 @@ if HAS_TRITON:
             gate.stride(0),
             out.stride(0),
             out.stride(1),
+            ROW_SCALE=row_scale is not None,
+            HAS_BIAS=bias is not None,
             BLOCK_D=block_d,
             num_warps=max(1, min(4, block_d // 256)),
         )
@@ -243,11 +264,18 @@ if HAS_TRITON:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     @custom_op("qwen_turbo::gated_residual")
-    def _gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return _launch(_unit_stride(x), _unit_stride(y), _unit_stride(gate), _empty(x))
+    def _gated_residual_op(
+        x: torch.Tensor,
+        y: torch.Tensor,
+        gate: torch.Tensor,
+        row_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        args = [_unit_stride(t) for t in (x, y, gate)]
+        return _launch(*args, _empty(x), row_scale, bias)
 
     @_gated_residual_op.register_fake
-    def _(x, y, gate):
+    def _(x, y, gate, row_scale, bias):
         return _empty(x)
 
     @custom_op("qwen_turbo::gated_residual_layernorm_modulate")
@@ -286,20 +314,43 @@ def _why_not(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> str | None
     return grad_reason(x, y, gate)
 
 
-def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_residual(
+    x: torch.Tensor, y: "torch.Tensor | Unscaled", gate: torch.Tensor
+) -> torch.Tensor:
     """x + gate[:, None] * y.
 
     x, y: (B, L, D), bfloat16, float16 or float32, any strides (a view whose last dim is not
-    contiguous is copied first). gate: (B, D), x's dtype and device, any strides.
-    Returns a new contiguous (B, L, D) tensor in x's dtype: product and sum in float32, one
-    rounding (ComfyUI's `x + gate.unsqueeze(1) * y` rounds twice). Anything else (other
-    dtypes or shapes, autograd, no Triton) uses the eager reference.
+    contiguous is copied first); y may be an `Unscaled` whose raw is (B, L, D) and contiguous
+    (an fp8 GEMM's output, finished in float32 as it is read). gate: (B, D), x's dtype and
+    device, any strides. Returns a new contiguous (B, L, D) tensor in x's dtype: product and
+    sum in float32, one rounding (ComfyUI's `x + gate.unsqueeze(1) * y` rounds twice).
+    Anything else (other dtypes or shapes, autograd, no Triton) uses the eager reference.
     """
-    reason = _why_not(x, y, gate)
+    row_scale = bias = None
+    if isinstance(y, Unscaled):
+        y, row_scale, bias = y.raw, y.row_scale, y.bias
+        reason = _unscaled_reason(y, row_scale, bias)
+    else:
+        reason = None
+    reason = reason or _why_not(x, y, gate)
     if reason is not None:
         log_fallback_once(OP, reason)
+        if row_scale is not None:
+            y = Unscaled(y, row_scale, bias).value()
         return gated_residual_reference(x, y, gate)
-    return _gated_residual_op(x, y, gate)
+    return _gated_residual_op(x, y, gate, row_scale, bias)
+
+
+def _unscaled_reason(y: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None):
+    """Why the kernel cannot finish this `Unscaled` as it reads it, or None."""
+    if not y.is_contiguous() or row_scale.numel() != y.numel() // max(1, y.shape[-1]):
+        return "the unscaled GEMM output is not contiguous with a scale per row"
+    if row_scale.dtype != torch.float32 or row_scale.device != y.device:
+        return "the row scales are not float32 on the output's device"
+    if bias is not None and (bias.shape != y.shape[-1:] or bias.stride(0) != 1
+                             or bias.device != y.device):  # fmt: skip
+        return f"the bias of shape {tuple(bias.shape)} is not ({y.shape[-1]},) on y's device"
+    return None
 
 
 def gated_residual_layernorm_modulate(

@@ -585,6 +585,40 @@ def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
     assert len(gemms) == 5
 
 
+def test_fp8_fast_mlp_leaves_row_scales_and_bias_to_the_next_kernel(monkeypatch):
+    """The MLP's first linear returns an `Unscaled` (fp8_linear_unscaled); the second
+    quantizes it, finished, with its GELU, and returns one too. Where the second cannot run an
+    fp8 GEMM (no fp8 GPU here), it finishes its input first and computes as Fp8Linear."""
+    from qwen_turbo.kernels import fp8_linear as kernels
+
+    sd = {
+        "weight": torch.randn(16, 16).to(FP8),
+        "bias": torch.randn(16, dtype=torch.bfloat16),
+        "scale_weight": torch.tensor(0.5),
+    }
+    fast, plain = fp8.fp8_ops(fast=True).Linear(16, 16), fp8.fp8_ops(fast=False).Linear(16, 16)
+    for layer in (fast, plain):
+        layer.load_state_dict(dict(sd))
+    x = torch.randn(20, 16, dtype=torch.bfloat16)
+    y = kernels.Unscaled(x, torch.rand(20, 1) + 0.5, torch.randn(16, dtype=torch.bfloat16))
+    out = fast.linear_of_gelu(y, unscaled=True)  # no fp8 GEMMs on this CPU
+    torch.testing.assert_close(out, plain(fp8.gelu_tanh(y.value())), rtol=0, atol=0)
+    assert fast.unscaled(x).dtype == torch.bfloat16  # a tensor: fp8_linear's fallback
+
+    calls = []  # as on an fp8 GPU: the GEMMs recorded, not run
+    monkeypatch.setattr(kernels, "fp8_gemm_reason", lambda device: None)
+    monkeypatch.setattr(
+        fp8, "fp8_linear_unscaled",
+        lambda x, w, scale, bias, gelu, x_fp8: calls.append((x, scale, bias, gelu, x_fp8)) or y,
+    )  # fmt: skip
+    assert fast.unscaled(x) is y and calls[0][1].numel() == 1 and calls[0][4] is None
+    assert fast.linear_of_gelu(y, unscaled=True) is y
+    _, scale, bias, gelu, x_fp8 = calls[1]
+    assert gelu and torch.equal(bias, sd["bias"]) and scale.item() == 0.5
+    expected = kernels.quantize_rows_reference(y.raw, True, y.row_scale, y.bias)
+    torch.testing.assert_close(x_fp8[1], expected[1], rtol=1e-6, atol=0)  # finished, GELU
+
+
 @pytest.mark.parametrize(
     "newcomer", ["on demand", "static", "on demand, free_memory wrapped",
                  "on demand, load_models_gpu wrapped"],

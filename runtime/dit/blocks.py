@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ...kernels.fp8_linear import finished
 from ...kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
 from ...kernels.layernorm_modulate import layernorm_modulate
 from ...kernels.linear_gelu import linear_gelu
@@ -28,12 +29,15 @@ def _plain_weights(linear, x: torch.Tensor) -> bool:
     )
 
 
-def mlp(ff, x: torch.Tensor) -> torch.Tensor:
+def mlp(ff, x: torch.Tensor):
     """ComfyUI's FeedForward (Linear, GELU-tanh, Linear) with the GELU fused: into the GEMM
-    epilogue for plain weights, into the fp8 activation quantization for fp8 GEMMs."""
+    epilogue for plain weights, into the fp8 activation quantization for fp8 GEMMs. With fp8
+    GEMMs the result may be an `fp8_linear.Unscaled` (`gated_residual` takes it); the hidden
+    activation crosses between the two GEMMs unscaled too."""
     proj, out = ff.net[0].proj, ff.net[2]
     if hasattr(out, "linear_of_gelu"):
-        return out.linear_of_gelu(proj(x))
+        h = proj.unscaled(x) if hasattr(proj, "unscaled") else proj(x)
+        return out.linear_of_gelu(h, unscaled=True)
     if _plain_weights(proj, x):
         h = linear_gelu(x, proj.weight, proj.bias)
     else:
@@ -173,7 +177,9 @@ def fused_block_forward(block, attention: Attention, on_host: Callable | None = 
         txt, txt_x = gated_residual_layernorm_modulate(
             txt, txt_attn, t_gate1, t_shift2, t_scale2, eps
         )
-        img = by_segment(gated_residual, split, (img, mlp(block.img_mlp, img_x)), (i_gate2,))
+        img_y = mlp(block.img_mlp, img_x)
+        img_y = img_y if split is None else finished(img_y)  # by_segment splits tensors
+        img = by_segment(gated_residual, split, (img, img_y), (i_gate2,))
         txt = gated_residual(txt, mlp(block.txt_mlp, txt_x), t_gate2)
         return txt, img
 

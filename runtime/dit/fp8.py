@@ -10,7 +10,18 @@ import comfy.ops
 import torch
 import torch.nn.functional as F
 
-from ...kernels.fp8_linear import FP8, FP8_MAX, fp8_gemv, fp8_linear, gelu_tanh, quantize_rows
+from ...kernels.fp8_linear import (
+    FP8,
+    FP8_MAX,
+    Unscaled,
+    finished,
+    fp8_gemv,
+    fp8_linear,
+    fp8_linear_reason,
+    fp8_linear_unscaled,
+    gelu_tanh,
+    quantize_rows,
+)
 
 # Inputs with fewer rows (the timestep modulation: one row per sample) skip activation
 # quantization: `fp8_gemv`, bf16 activations on the fp8 weight. Activation quantization there
@@ -162,7 +173,9 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
 
 class Fp8FastLinear(Fp8Linear):
     """Fp8Linear with fp8 GEMMs: per-row activation scales, `fp8_gemv` for the few-row
-    modulation inputs, the GELU fused into the activation quantization."""
+    modulation inputs, the GELU fused into the activation quantization. The MLP's linears
+    (`unscaled`, `linear_of_gelu`) can leave their outputs' row scales and bias to the next
+    kernel (`fp8_linear.Unscaled`)."""
 
     bf16_compute = False  # set in the blocks the fidelity probe keeps on the safe path
 
@@ -175,7 +188,7 @@ class Fp8FastLinear(Fp8Linear):
             self._scale_row_of = scale
         return self._scale_row_value
 
-    def _fp8(self, x, gelu_input=False, x_fp8=None):
+    def _fp8(self, x, gelu_input=False, x_fp8=None, unscaled=False):
         scale = self._scale_row(x.device)
         if self.weight_function:  # a LoRA on a layer left on the host: patched, requantized
             weight, bias = self._patched(x, torch.float32)
@@ -184,6 +197,10 @@ class Fp8FastLinear(Fp8Linear):
             weight, bias = self._weights(x, FP8, x.dtype)
         if _gemv_sized(x):  # the modulation linears
             return fp8_gemv(gelu_tanh(x) if gelu_input else x, weight, scale, bias)
+        if unscaled:
+            out = fp8_linear_unscaled(x, weight, scale[:, :1], bias, gelu_input, x_fp8)
+            if out is not None:
+                return out
         return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
 
     def linears_of_one_input(self, x, linears):
@@ -208,11 +225,26 @@ class Fp8FastLinear(Fp8Linear):
             return super().forward_comfy_cast_weights(input)
         return self._fp8(input)
 
-    def linear_of_gelu(self, x):
-        """self(gelu_tanh(x)), the GELU fused into the activation quantization."""
-        if not self._lossy():
-            return self(gelu_tanh(x))
-        return self._fp8(x, gelu_input=True)
+    def unscaled(self, x) -> "torch.Tensor | Unscaled":
+        """self(x), as an `Unscaled` where it runs an fp8 GEMM that can leave the row scales
+        and the bias to the next kernel."""
+        return self._fp8(x, unscaled=True) if self._lossy() else self(x)
+
+    def linear_of_gelu(self, x, unscaled=False):
+        """self(gelu_tanh(x)), the GELU fused into the activation quantization. x may be an
+        `Unscaled` (finished as it is quantized); with `unscaled` the result may be one."""
+        raw = x.raw if isinstance(x, Unscaled) else x
+        scale = self._scale_row(raw.device)
+        if (
+            not self._lossy()
+            or _gemv_sized(raw)
+            or fp8_linear_reason(raw, self.weight, scale, None) is not None
+        ):
+            return self(gelu_tanh(finished(x)))
+        if isinstance(x, Unscaled):
+            x_fp8 = quantize_rows(x, gelu=True)
+            return self._fp8(x.raw, gelu_input=True, x_fp8=x_fp8, unscaled=unscaled)
+        return self._fp8(x, gelu_input=True, unscaled=unscaled)
 
 
 def fp8_ops(fast: bool):

@@ -133,7 +133,11 @@ KERNELS = [
         "gated_residual_reference",
         grad=2,
         op="_gated_residual_op",
-        opcheck=lambda x, y, gate: [(x, y, gate), (x, y.mT.contiguous().mT, gate)],
+        opcheck=lambda x, y, gate: [
+            (x, y, gate, None, None),
+            (x, y.mT.contiguous().mT, gate, None, None),
+            (x, y, gate, torch.rand(3, 1) + 0.5, gate[0]),  # an Unscaled y
+        ],
     ),
     Kernel(
         "gated_residual",
@@ -190,7 +194,11 @@ KERNELS = [
         lambda dt: [*_randn(dt, (3, 64)), True],
         "quantize_rows_reference",
         op="_quantize_rows_op",
-        opcheck=lambda x, gelu: [(x, False), (x, True)],
+        opcheck=lambda x, gelu: [
+            (x, False, None, None),
+            (x, True, None, None),
+            (x, True, torch.rand(3, 1) + 0.5, x[0]),  # an Unscaled x
+        ],
     ),
     Kernel(
         "fp8_linear",

@@ -22,10 +22,13 @@ from qwen_turbo.kernels.fp8_linear import (
     FP8_MAX,
     MAX_K,
     MIN_SCALE,
+    Unscaled,
+    finished,
     fp8_gemm_reason,
     fp8_gemv,
     fp8_linear,
     fp8_linear_reference,
+    fp8_linear_unscaled,
     quantize_rows,
     quantize_rows_reference,
 )
@@ -81,8 +84,9 @@ def _launch_poisoned(x, gelu=False, pad=5):
     q, s = buf[:, :k], torch.full((m, 1), float("nan"))
     block_k = mod.triton.next_power_of_2(k)
     mod._quantize_rows_kernel[(m,)](
-        x, q, s, k, x.stride(0), q.stride(0), GELU=gelu, BLOCK_K=block_k, num_warps=8
-    )
+        x, s, x, q, s, k, x.stride(0), q.stride(0), GELU=gelu, ROW_SCALE=False, HAS_BIAS=False,
+        BLOCK_K=block_k, num_warps=8,
+    )  # fmt: skip
     return buf, q, s
 
 
@@ -196,6 +200,54 @@ def test_gelu_then_quantize(kernel_only, dtype):
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(s, quantize_rows_reference(x, gelu=True)[1], rtol=1e-6, atol=0)
     assert (xq.float() != xq_ref.float()).float().mean().item() <= 1e-3
+
+
+def _unscaled(m, k, dtype, seed):
+    """An `Unscaled` of (m, k): raw values, row scales of 1e-3 .. 1e3 and a bias."""
+    g = torch.Generator().manual_seed(seed)
+    raw = (torch.randn(m, k, generator=g) * 40).to(dtype)
+    row_scale = 10.0 ** torch.linspace(-3, 3, m)[:, None]
+    return Unscaled(raw, row_scale, torch.randn(k, generator=g).to(dtype))
+
+
+@interpreter_exp_overflow
+@needs_triton
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unscaled_input(kernel_only, shape, dtype, gelu):
+    """An `Unscaled` is finished in float32 as it is read (raw * row scale + bias), not
+    rounded to its dtype first: the same bits as quantizing that float32 value, and the
+    reference's scales (the GELU's forms part by float32 ulps)."""
+    y = _unscaled(*shape, dtype, seed=shape[1] + gelu)
+    xq, s = quantize_rows(y, gelu)
+    q, scale = quantize_rows(y.raw.float() * y.row_scale + y.bias.float(), gelu)
+    _assert_exact(xq, s, q.float(), scale)
+    s_ref = quantize_rows_reference(y.raw, gelu, y.row_scale, y.bias)[1]
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+
+
+def test_unscaled_value():
+    """value() = raw * row scale + bias in float32, rounded once; tensors pass `finished`."""
+    y = _unscaled(3, 64, torch.bfloat16, seed=1)
+    exact = y.raw.double() * y.row_scale.double() + y.bias.double()
+    torch.testing.assert_close(y.value(), exact.to(torch.bfloat16), rtol=0, atol=0)
+    y3 = Unscaled(y.raw.reshape(1, 3, 64), y.row_scale, None)
+    torch.testing.assert_close(finished(y3), (y.raw.float() * y.row_scale)[None].bfloat16())
+    assert finished(y.raw) is y.raw
+
+
+def test_unscaled_linear_off_an_fp8_gpu():
+    """No fp8 GEMMs here: None, so the caller runs `fp8_linear` (and its fallback)."""
+    x, weight, scale_weight, b = _linear_inputs((3,), 48, 64, torch.bfloat16, seed=2)
+    assert fp8_linear_unscaled(x, weight, scale_weight, b) is None
+
+
+def test_unscaled_linear_needs_one_weight_scale(monkeypatch):
+    """A scale per output column cannot go into the tensorwise GEMM: None."""
+    monkeypatch.setattr(mod, "fp8_gemm_reason", lambda device: None)
+    x, weight, _, b = _linear_inputs((3,), 48, 64, torch.bfloat16, seed=3)
+    assert fp8_linear_unscaled(x, weight, torch.rand(1, 48), b) is None
 
 
 @needs_triton
@@ -532,6 +584,32 @@ def test_gpu_fp8_linear_matches_fp32(kernel_only, lead, n, k, bias, gelu_input):
     x32 = _gelu_tanh(x.float()) if gelu_input else x.float()
     ref = F.linear(x32, weight.float() * scale_weight, None if b is None else b.float())
     assert _rel_l2(out, ref) < 5e-2
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+@pytest.mark.parametrize("lead,n,k,bias,gelu_input", GPU_LINEAR_CASES)
+def test_gpu_unscaled_matches_fp8_linear(kernel_only, lead, n, k, bias, gelu_input):
+    """The tensorwise GEMM finished by `value()` computes fp8_linear's sums: they part by two
+    bf16 roundings (about 2e-3 relative RMS; fp8's own error is 2.6%)."""
+    args = _linear_inputs(lead, n, k, torch.bfloat16, seed=n + k, device="cuda", bias=bias)
+    x, weight, scale_weight, b = args
+    y = fp8_linear_unscaled(x, weight, scale_weight, b, gelu_input)
+    assert isinstance(y, Unscaled) and y.raw.shape == (*lead, n)
+    ref = fp8_linear(x, weight, scale_weight, b, gelu_input).float()
+    assert _rel_l2(y.value(), ref) < 8e-3
+    x_fp8 = quantize_rows(x.reshape(-1, k), gelu_input)  # given, not made again
+    torch.testing.assert_close(fp8_linear_unscaled(x, weight, scale_weight, b, gelu_input,
+                                                   x_fp8).raw, y.raw, rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_fp8_gemm
+def test_gpu_unscaled_cuda_graph_capture(kernel_only):
+    x, weight, scale_weight, b = _linear_inputs((33,), 3072, 3072, torch.bfloat16, 16, "cuda")
+    fp8_linear_unscaled(x, weight, scale_weight, b)  # its scale of one made outside the graph
+    assert_cuda_graph_replays(lambda: fp8_linear_unscaled(x, weight, scale_weight, b).value(),
+                              x, 0)  # fmt: skip
 
 
 @pytest.mark.gpu

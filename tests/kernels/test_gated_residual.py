@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qwen_turbo.kernels import gated_residual as mod
+from qwen_turbo.kernels.fp8_linear import Unscaled
 from qwen_turbo.kernels.gated_residual import (
     gated_residual,
     gated_residual_layernorm_modulate,
@@ -229,6 +230,38 @@ def test_fused_launch_into_strided_outs():
     h, out = mod._launch_fused(x, y, gate, shift, scale, 1e-6, joint[:, 0, 5:], joint[:, 1, 5:])
     _assert_fused_close_to_fp64(h, out, x, y, gate, shift, scale)
     assert joint[:, :, :5].isnan().all()
+
+
+def _unscaled_inputs(shape, dtype, seed):
+    """x, an `Unscaled` y (raw, row scales of 1e-2 .. 1e2, bias) and gate, in `dtype`."""
+    x, raw, gate = _inputs(shape, dtype, seed)
+    b, n, d = shape
+    g = torch.Generator().manual_seed(seed + 1)
+    row_scale = 10.0 ** (torch.rand(b * n, 1, generator=g) * 4 - 2)
+    return x, Unscaled(raw, row_scale, torch.randn(d, generator=g).to(dtype)), gate
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7, 3072), (2, 5, 123)])
+def test_unscaled_y(kernel_only, dtype, shape):
+    """An fp8 GEMM's `Unscaled` output, finished in float32 as it is read: against float64,
+    within the rule's bound for the same sum with y finished first (in float64)."""
+    x, y, gate = _unscaled_inputs(shape, dtype, seed=shape[2])
+    out = gated_residual(x, y, gate)
+    y64 = y.raw.double() * y.row_scale.double().reshape(*shape[:2], 1) + y.bias.double()
+    exact = gated_residual_reference(x.double(), y64, gate.double())
+    _rule(out, exact, gated_residual_reference(x, y.value(), gate))
+
+
+def test_unscaled_y_falls_back(fresh_log):
+    """A non-contiguous unscaled output: the reference, on y finished first."""
+    x, y, gate = _unscaled_inputs((1, 3, 64), torch.float32, seed=4)
+    y = y._replace(raw=y.raw.mT.contiguous().mT)
+    out = gated_residual(x, y, gate)
+    expected = gated_residual_reference(x, y.value(), gate)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_logged_once(fresh_log, OP, "not contiguous with a scale per row")
 
 
 # Fallbacks: each branch of the dispatchers sends the call to the reference, logged once.
