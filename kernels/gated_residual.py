@@ -120,6 +120,8 @@ if HAS_TRITON:
     def _gated_residual_layernorm_modulate_kernel(
         x_ptr,
         y_ptr,
+        rs_ptr,
+        b_ptr,
         gate_ptr,
         shift_ptr,
         scale_ptr,
@@ -139,12 +141,15 @@ if HAS_TRITON:
         stride_ob,
         stride_ol,
         eps,
+        ROW_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         """One program: one token row (b, l), all D values.
 
         x, y, h, out: (B, L, D) with unit stride along D; gate, shift, scale: (B, D) with unit
         stride along D. The grid is (B * L,). h = x + gate * y; out = its LN-modulated form.
+        y is finished as in `_gated_residual_kernel` (ROW_SCALE, HAS_BIAS).
         """
         row = tl.program_id(0)
         b = (row // L).to(tl.int64)
@@ -153,8 +158,13 @@ if HAS_TRITON:
         mask = offs < D
         x = tl.load(x_ptr + b * stride_xb + t * stride_xl + offs, mask=mask, other=0.0)
         y = tl.load(y_ptr + b * stride_yb + t * stride_yl + offs, mask=mask, other=0.0)
+        y = y.to(tl.float32)
+        if ROW_SCALE:
+            y = y * tl.load(rs_ptr + row)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + b * stride_gb + offs, mask=mask, other=0.0)
-        h = x.to(tl.float32) + g.to(tl.float32) * y.to(tl.float32)
+        h = x.to(tl.float32) + g.to(tl.float32) * y
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + b * stride_hb + t * stride_hl + offs, h, mask=mask)
         # Normalise the stored (rounded) h, as the next block reads it: the output then equals
@@ -222,8 +232,11 @@ if HAS_TRITON:
         eps: float,
         h: torch.Tensor,
         out: torch.Tensor,
+        row_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the fused kernel into `h` (the new x) and `out` (its LN-modulated form).
+        """Run the fused kernel into `h` (the new x) and `out` (its LN-modulated form), y
+        finished by row_scale and bias (an `Unscaled`'s, or None).
 
         x, y, h, out: (B, L, D), each with stride 1 along D; gate, shift, scale: (B, D) with
         stride 1 along D. h and out have x's dtype (the norm reads h as rounded to h's
@@ -236,6 +249,8 @@ if HAS_TRITON:
         _gated_residual_layernorm_modulate_kernel[(b * n,)](
             x,
             y,
+            gate if row_scale is None else row_scale,
+            gate if bias is None else bias,
             gate,
             shift,
             scale,
@@ -255,6 +270,8 @@ if HAS_TRITON:
             out.stride(0),
             out.stride(1),
             eps,
+            ROW_SCALE=row_scale is not None,
+            HAS_BIAS=bias is not None,
             BLOCK_D=block_d,
             num_warps=_num_warps(block_d),
         )
@@ -286,12 +303,14 @@ if HAS_TRITON:
         shift: torch.Tensor,
         scale: torch.Tensor,
         eps: float,
+        row_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         args = [_unit_stride(t) for t in (x, y, gate, shift, scale)]
-        return _launch_fused(*args, eps, _empty(x), _empty(x))
+        return _launch_fused(*args, eps, _empty(x), _empty(x), row_scale, bias)
 
     @_gated_residual_layernorm_modulate_op.register_fake
-    def _(x, y, gate, shift, scale, eps):
+    def _(x, y, gate, shift, scale, eps, row_scale, bias):
         return _empty(x), _empty(x)
 
 
@@ -326,23 +345,24 @@ def gated_residual(
     sum in float32, one rounding (ComfyUI's `x + gate.unsqueeze(1) * y` rounds twice).
     Anything else (other dtypes or shapes, autograd, no Triton) uses the eager reference.
     """
-    row_scale = bias = None
-    if isinstance(y, Unscaled):
-        y, row_scale, bias = y.raw, y.row_scale, y.bias
-        reason = _unscaled_reason(y, row_scale, bias)
-    else:
-        reason = None
+    y, row_scale, bias, reason = _parts(y)
     reason = reason or _why_not(x, y, gate)
     if reason is not None:
         log_fallback_once(OP, reason)
-        if row_scale is not None:
-            y = Unscaled(y, row_scale, bias).value()
+        y = y if row_scale is None else Unscaled(y, row_scale, bias).value()
         return gated_residual_reference(x, y, gate)
     return _gated_residual_op(x, y, gate, row_scale, bias)
 
 
+def _parts(y):
+    """(y or an `Unscaled`'s raw, row scales, bias, why the kernels cannot finish it)."""
+    if not isinstance(y, Unscaled):
+        return y, None, None, None
+    return y.raw, y.row_scale, y.bias, _unscaled_reason(*y)
+
+
 def _unscaled_reason(y: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None):
-    """Why the kernel cannot finish this `Unscaled` as it reads it, or None."""
+    """Why the kernels cannot finish this `Unscaled` as they read it, or None."""
     if not y.is_contiguous() or row_scale.numel() != y.numel() // max(1, y.shape[-1]):
         return "the unscaled GEMM output is not contiguous with a scale per row"
     if row_scale.dtype != torch.float32 or row_scale.device != y.device:
@@ -355,7 +375,7 @@ def _unscaled_reason(y: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tenso
 
 def gated_residual_layernorm_modulate(
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: "torch.Tensor | Unscaled",
     gate: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
@@ -367,10 +387,13 @@ def gated_residual_layernorm_modulate(
     x's dtype and device; D <= layernorm_modulate.MAX_D. Returns two new contiguous
     (B, L, D) tensors in x's dtype. h is rounded once (as `gated_residual`), and the norm is
     taken of h as rounded, so the pair equals `gated_residual` then `layernorm_modulate`
-    exactly. Anything else uses the eager reference.
+    exactly. y may be an `Unscaled`, as in `gated_residual`. Anything else uses the eager
+    reference.
     """
-    reason = _why_not(x, y, gate) or _why_not_layernorm(x, shift, scale)
+    y, row_scale, bias, reason = _parts(y)
+    reason = reason or _why_not(x, y, gate) or _why_not_layernorm(x, shift, scale)
     if reason is not None:
         log_fallback_once(OP_FUSED, reason)
+        y = y if row_scale is None else Unscaled(y, row_scale, bias).value()
         return gated_residual_layernorm_modulate_reference(x, y, gate, shift, scale, eps)
-    return _gated_residual_layernorm_modulate_op(x, y, gate, shift, scale, eps)
+    return _gated_residual_layernorm_modulate_op(x, y, gate, shift, scale, eps, row_scale, bias)

@@ -33,6 +33,7 @@ from ._triton import (
     triton,
     unsupported,
 )
+from .fp8_linear import Unscaled
 
 OP = "qk_norm_rope"
 _LAYOUTS = ("bhld", "blhd")
@@ -101,6 +102,8 @@ if HAS_TRITON:
     @triton.jit
     def _qk_norm_rope_kernel(
         x_ptr,
+        rs_ptr,
+        b_ptr,
         w_ptr,
         f_ptr,
         out_ptr,
@@ -117,6 +120,8 @@ if HAS_TRITON:
         so_h,
         so_d,
         eps,
+        ROW_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         D: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HALF_BLOCK: tl.constexpr,
@@ -125,7 +130,9 @@ if HAS_TRITON:
 
         Grid (B * L, cdiv(H, BLOCK_H)). x and out are indexed as (B, L, H, D) through their
         strides (out is a view of a (B, H, L, D) or (B, L, H, D) buffer); the weight is
-        contiguous (D,) and each token's (D/2, 2, 2) block of the table is contiguous.
+        contiguous (D,) and each token's (D/2, 2, 2) block of the table is contiguous. With
+        ROW_SCALE and HAS_BIAS x is an `Unscaled` GEMM output: x * rs[b * L + l] + bias
+        (rs float32 (B * L,), bias (H * D,)).
         """
         tok = tl.program_id(0)
         hb = tl.program_id(1)
@@ -142,6 +149,10 @@ if HAS_TRITON:
         # A whole head is one row: with sx_d = 1 (specialised by Triton) a contiguous load.
         x_offs = b * sx_b + pos * sx_l + offs_h64 * sx_h + offs_d64 * sx_d
         x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        if ROW_SCALE:
+            x = x * tl.load(rs_ptr + tok)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + offs_h64 * D + offs_d64, mask=mask, other=0.0).to(tl.float32)
 
         # RMS over each head, in float32; masked dims (D < D_BLOCK) add 0. The mean of squares
         # is never negative, so no clamp is needed; sqrt_rn and div_rn are IEEE-rounded where
@@ -177,8 +188,10 @@ if HAS_TRITON:
         freqs: torch.Tensor,
         eps: float,
         out: torch.Tensor,
+        row_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the kernel into `out`.
+        """Run the kernel into `out` (x finished by row_scale and bias, an `Unscaled`'s).
 
         x: (B, L, H, Dh), any strides. weight: contiguous (Dh,) on x's device, any float
         dtype (upcast to float32; the dispatcher rounds it to x's dtype first, as ComfyUI).
@@ -195,6 +208,8 @@ if HAS_TRITON:
         grid = (b * seq, triton.cdiv(h, block_h))
         _qk_norm_rope_kernel[grid](
             x,
+            weight if row_scale is None else row_scale,
+            weight if bias is None else bias,
             weight,
             freqs,
             out,
@@ -205,6 +220,8 @@ if HAS_TRITON:
             freqs.stride(1),
             *out.stride(),
             eps,
+            ROW_SCALE=row_scale is not None,
+            HAS_BIAS=bias is not None,
             D=d,
             BLOCK_H=block_h,
             HALF_BLOCK=d_block // 2,
@@ -233,11 +250,17 @@ if HAS_TRITON:
 
     @custom_op("qwen_turbo::qk_norm_rope_into", mutates_args=("out",))
     def _qk_norm_rope_into_op(
-        x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, out: torch.Tensor
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        freqs: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        row_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
     ) -> None:
         if freqs.stride()[-3:] != (4, 2, 1):
             freqs = freqs.contiguous()
-        _launch(x, weight.contiguous(), freqs, eps, out)
+        _launch(x, weight.contiguous(), freqs, eps, out, row_scale, bias)
 
 
 def _why_not(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor) -> str | None:
@@ -294,16 +317,31 @@ def qk_norm_rope(
 
 
 def qk_norm_rope_into(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, out: torch.Tensor, eps: float = 1e-6
+    x: "torch.Tensor | Unscaled",
+    weight: torch.Tensor,
+    freqs: torch.Tensor,
+    out: torch.Tensor,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """`qk_norm_rope` written into `out`, a (B, L, H, Dh) view of any strides in x's dtype: for
     example the text or image rows of a joint (B, L_txt + L_img, H, Dh) buffer, so the two
-    streams need no concatenation afterwards. Returns out."""
+    streams need no concatenation afterwards. x may be an fp8 GEMM's `Unscaled` (B, L, H * Dh)
+    output, finished in float32 as it is read. Returns out."""
+    row_scale = bias = None
+    if isinstance(x, Unscaled):
+        row_scale, bias = x.row_scale, x.bias
+        if bias is not None and (bias.stride(0) != 1 or bias.device != x.raw.device):
+            x = x.value().unflatten(-1, (out.shape[2], -1))  # finished first
+            row_scale = bias = None
+        else:
+            x = x.raw.unflatten(-1, (out.shape[2], -1))
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, x is {tuple(x.shape)} {x.dtype}")
     reason = _why_not(x, weight, freqs) or grad_reason(out)
     if reason is not None:
         log_fallback_once(OP, reason)
+        if row_scale is not None:
+            x = Unscaled(x.flatten(2), row_scale, bias).value().unflatten(-1, x.shape[2:])
         return out.copy_(qk_norm_rope_reference(x, weight, freqs, eps, "blhd"))
-    _qk_norm_rope_into_op(x, weight.to(x), freqs, eps, out)
+    _qk_norm_rope_into_op(x, weight.to(x), freqs, eps, out, row_scale, bias)
     return out

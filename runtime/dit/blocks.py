@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ...kernels.fp8_linear import finished
+from ...kernels.fp8_linear import Unscaled, finished
 from ...kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
 from ...kernels.layernorm_modulate import layernorm_modulate
 from ...kernels.linear_gelu import linear_gelu
@@ -45,11 +45,19 @@ def mlp(ff, x: torch.Tensor):
     return out(h)
 
 
-def project(x: torch.Tensor, linears) -> list[torch.Tensor]:
+def project(x: torch.Tensor, linears, unscaled=()) -> list:
     """[linear(x) for linear in linears], through the ops' `linears_of_one_input` where they
-    have it (fp8 GEMMs quantize x once for all of them)."""
+    have it (fp8 GEMMs quantize x once for all of them); the outputs at the positions in
+    `unscaled` may be `fp8_linear.Unscaled`."""
     shared = getattr(linears[0], "linears_of_one_input", None)
-    return shared(x, linears) if shared is not None else [linear(x) for linear in linears]
+    if shared is None:
+        return [linear(x) for linear in linears]
+    return shared(x, linears, unscaled)
+
+
+def unscaled(linear, x: torch.Tensor):
+    """linear(x), an `fp8_linear.Unscaled` where the linear can leave it so."""
+    return linear.unscaled(x) if hasattr(linear, "unscaled") else linear(x)
 
 
 def joint_attention(
@@ -57,7 +65,9 @@ def joint_attention(
     transformer_options: dict,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """ComfyUI's qwen_image `Attention.forward`: q/k RMSNorm + RoPE written straight into the
-    joint (B, L_txt + L_img, H, Dh) buffers that attention reads as (B, H, L, Dh) views."""
+    joint (B, L_txt + L_img, H, Dh) buffers that attention reads as (B, H, L, Dh) views. The
+    q and k projections and both outputs may be `fp8_linear.Unscaled` (their next kernels
+    finish them); v is finished, as it is joined."""
     b, n_txt, n_img, heads = img.shape[0], txt.shape[1], img.shape[1], attn.heads
     n = n_txt + n_img
     q = img.new_empty(b, n, heads, attn.dim_head)
@@ -69,9 +79,9 @@ def joint_attention(
     )  # fmt: skip
     vs = []
     for x, rows, linears, norms in streams:
-        hq, hk, hv = project(x, linears)
+        hq, hk, hv = project(x, linears, unscaled=(0, 1))
         for h, norm, out in ((hq, norms[0], q), (hk, norms[1], k)):
-            h = h.unflatten(-1, (heads, -1))
+            h = h if isinstance(h, Unscaled) else h.unflatten(-1, (heads, -1))
             gain = norm.weight.to(out.device)  # left on the host by a partial load
             qk_norm_rope_into(h, gain, freqs[:, rows], out[:, rows], norm.eps)
         vs.append(hv)
@@ -80,7 +90,7 @@ def joint_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), heads, None,
         skip_reshape=True, transformer_options=transformer_options,
     )  # fmt: skip
-    return attn.to_out[0](out[:, n_txt:]), attn.to_add_out(out[:, :n_txt])
+    return unscaled(attn.to_out[0], out[:, n_txt:]), unscaled(attn.to_add_out, out[:, :n_txt])
 
 
 def rope_table(freqs: torch.Tensor, n: int) -> torch.Tensor:
@@ -168,6 +178,7 @@ def fused_block_forward(block, attention: Attention, on_host: Callable | None = 
             block.attn, img_x, layernorm_modulate(txt, t_shift1, t_scale1, eps),
             freqs, attention, transformer_options,
         )  # fmt: skip
+        img_attn = img_attn if split is None else finished(img_attn)  # by_segment splits it
         img, img_x = by_segment(
             lambda x, y, gate, shift, scale: gated_residual_layernorm_modulate(
                 x, y, gate, shift, scale, eps

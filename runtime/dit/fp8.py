@@ -173,9 +173,9 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
 
 class Fp8FastLinear(Fp8Linear):
     """Fp8Linear with fp8 GEMMs: per-row activation scales, `fp8_gemv` for the few-row
-    modulation inputs, the GELU fused into the activation quantization. The MLP's linears
-    (`unscaled`, `linear_of_gelu`) can leave their outputs' row scales and bias to the next
-    kernel (`fp8_linear.Unscaled`)."""
+    modulation inputs, the GELU fused into the activation quantization. The fused block's
+    linears (`unscaled`, `linear_of_gelu`, `linears_of_one_input`) can leave their outputs'
+    row scales and bias to the next kernel (`fp8_linear.Unscaled`)."""
 
     bf16_compute = False  # set in the blocks the fidelity probe keeps on the safe path
 
@@ -203,16 +203,18 @@ class Fp8FastLinear(Fp8Linear):
                 return out
         return fp8_linear(x, weight, scale, bias, gelu_input, x_fp8)
 
-    def linears_of_one_input(self, x, linears):
+    def linears_of_one_input(self, x, linears, unscaled=()):
         """[linear(x) for linear in linears] (this one among them), x quantized to fp8 once
-        for all of them (q, k and v of one stream)."""
+        for all of them (q, k and v of one stream); the outputs at the positions in
+        `unscaled` may be `Unscaled`."""
         if _gemv_sized(x) or not all(
             isinstance(linear, Fp8FastLinear) and linear._lossy() and not linear.weight_function
             for linear in linears
         ):
             return [linear(x) for linear in linears]
         x_fp8 = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return [linear._fp8(x, x_fp8=x_fp8) for linear in linears]
+        return [linear._fp8(x, x_fp8=x_fp8, unscaled=i in unscaled)
+                for i, linear in enumerate(linears)]  # fmt: skip
 
     def _lossy(self) -> bool:
         """Whether this call runs fp8 GEMMs: not in a layer kept in bf16 (convert.in_blocks),

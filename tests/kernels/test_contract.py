@@ -146,7 +146,10 @@ KERNELS = [
         "gated_residual_layernorm_modulate_reference",
         grad=4,
         op="_gated_residual_layernorm_modulate_op",
-        opcheck=lambda x, y, *mods: [(x, y.mT.contiguous().mT, *mods, 1e-6)],
+        opcheck=lambda x, y, *mods: [
+            (x, y.mT.contiguous().mT, *mods, 1e-6, None, None),
+            (x, y, *mods, 1e-6, torch.rand(3, 1) + 0.5, mods[0][0]),  # an Unscaled y
+        ],
     ),
     Kernel(
         "layernorm_modulate",
@@ -173,7 +176,18 @@ KERNELS = [
         lambda x, weight, freqs, out: qk_norm_rope_reference(x, weight, freqs, 1e-6, "blhd"),
         grad=1,
         op="_qk_norm_rope_into_op",
-        opcheck=lambda x, weight, freqs, out: [(x, weight, freqs, 1e-6, out)],
+        opcheck=lambda x, weight, freqs, out: [
+            (x, weight, freqs, 1e-6, out, None, None),
+            (
+                x,
+                weight,
+                freqs,
+                1e-6,
+                out,
+                torch.rand(x.shape[0] * x.shape[1], 1) + 0.5,
+                weight.repeat(x.shape[2]),
+            ),  # an Unscaled x
+        ],
         step=_into_joint,
         log="qk_norm_rope",
     ),

@@ -254,6 +254,18 @@ def test_unscaled_y(kernel_only, dtype, shape):
     _rule(out, exact, gated_residual_reference(x, y.value(), gate))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_unscaled_y(kernel_only, dtype):
+    """The residual and the next pre-norm with an `Unscaled` y: h as `gated_residual` gives
+    it, and out the LayerNorm-modulated h as stored."""
+    x, y, gate = _unscaled_inputs((2, 5, 256), dtype, seed=9)
+    _, _, _, shift, scale = _inputs((2, 5, 256), dtype, seed=10, modulation=True)
+    h, out = gated_residual_layernorm_modulate(x, y, gate, shift, scale)
+    torch.testing.assert_close(h, gated_residual(x, y, gate), rtol=0, atol=0)
+    torch.testing.assert_close(out, layernorm_modulate(h, shift, scale), rtol=0, atol=0)
+
+
 def test_unscaled_y_falls_back(fresh_log):
     """A non-contiguous unscaled output: the reference, on y finished first."""
     x, y, gate = _unscaled_inputs((1, 3, 64), torch.float32, seed=4)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qwen_turbo.kernels import qk_norm_rope as mod
+from qwen_turbo.kernels.fp8_linear import Unscaled
 from qwen_turbo.kernels.qk_norm_rope import (
     qk_norm_rope,
     qk_norm_rope_into,
@@ -478,6 +479,36 @@ def test_into_joint_buffer_equals_cat(kernel_only, dtype):
     torch.testing.assert_close(joint, _joint_cat(streams), rtol=0, atol=0)
     for x, weight, freqs, rows in streams:
         _assert_close_to_fp64(joint[:, rows].contiguous(), x, weight, freqs, "blhd")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_into_unscaled_input(kernel_only, dtype):
+    """An fp8 GEMM's `Unscaled` (B, L, H * Dh) output, finished in float32 as it is read:
+    the kernel's float32 result for that value, rounded to `dtype` once (one ulp apart at
+    most: Triton's interpreter truncates to bfloat16)."""
+    x, weight, freqs = _inputs((2, 17, 3, 64), dtype, seed=22)
+    g = torch.Generator().manual_seed(23)
+    y = Unscaled(x.flatten(2), torch.rand(34, 1, generator=g) * 3 + 0.1,
+                 torch.randn(192, generator=g).to(dtype))  # fmt: skip
+    out = torch.full(x.shape, float("nan"), dtype=dtype)
+    qk_norm_rope_into(y, weight, freqs, out)
+    finished = y.raw.float() * y.row_scale.reshape(2, 17, 1) + y.bias.float()
+    expected = qk_norm_rope(finished.reshape(x.shape), weight, freqs, out_layout="blhd")
+    ulp = torch.finfo(dtype).eps * expected.abs()
+    assert ((out.float() - expected).abs() <= ulp).all()
+
+
+def test_into_unscaled_falls_back(fresh_log):
+    """Where the kernel cannot run (a float64 table), y is finished first, then the
+    reference runs."""
+    x, weight, freqs = _inputs((1, 17, 2, 64), torch.float32, seed=24)
+    y = Unscaled(x.flatten(2), torch.rand(17, 1) + 0.5, torch.randn(128))
+    out = qk_norm_rope_into(y, weight, freqs.double(), torch.empty_like(x))
+    expected = qk_norm_rope_reference(y.value().unflatten(-1, (2, 64)), weight, freqs.double(),
+                                      1e-6, "blhd")  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_logged_once(fresh_log, "qk_norm_rope", "dtypes x torch.float32, freqs torch.float64")
 
 
 def _out_view(kind, b, seq, h, dh, dtype):
