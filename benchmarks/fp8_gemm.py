@@ -3,11 +3,12 @@
 Rows M: the image tokens at 1328² (6,889) and 2512² (24,649); (K, N): q, k, v and the output
 projection (3072, 3072), the three of q, k, v as one (3072, 9216), the MLP's (3072, 12288)
 and (12288, 3072). Variants, each timed alone (CUDA events, median of --repeats after a
-warm-up), with the kernel that ran (torch.profiler):
-- `pack`: `fp8_linear` as the Optimized Loader runs it, the row quantization included;
-- `quantize_rows`: that quantization alone; `rowwise`: `torch._scaled_mm` with the per-row
-  and per-column scales the pack passes; `tensorwise`: one scale each (cuBLASLt), what
-  ComfyUI's `fp8_e4m3fn_fast` runs; `bf16`: F.linear in bf16.
+warm-up), with the kernels that ran (torch.profiler):
+- `fp8_linear`: the row quantization, then `torch._scaled_mm` with the per-row and per-column
+  scales (`rowwise` alone); `fp8_linear_unscaled`: the row quantization, then the GEMM with
+  one scale per operand (`tensorwise` alone), the Optimized Loader's path in its fused
+  blocks, whose next kernel applies the row scales and the bias as it reads the output;
+- `quantize_rows`: that quantization alone; `bf16`: F.linear in bf16.
 TFLOP/s and the share of the GPU's dense peaks (cli/bench.PEAKS). Prints a table and JSON.
 
     python benchmarks/fp8_gemm.py
@@ -58,7 +59,12 @@ def variants(m: int, k: int, n: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from qwen_turbo.kernels.fp8_linear import FP8, fp8_linear, quantize_rows
+    from qwen_turbo.kernels.fp8_linear import (
+        FP8,
+        fp8_linear,
+        fp8_linear_unscaled,
+        quantize_rows,
+    )
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(FP8)
@@ -68,7 +74,8 @@ def variants(m: int, k: int, n: int) -> dict:
     one = torch.ones((), device="cuda")
     x8, wb, bf16 = x.to(FP8), w.to(torch.bfloat16), torch.bfloat16
     return {
-        "pack": lambda: fp8_linear(x, w, scale_w, bias),
+        "fp8_linear": lambda: fp8_linear(x, w, scale_w, bias),
+        "fp8_linear_unscaled": lambda: fp8_linear_unscaled(x, w, scale_w[:, :1], bias),
         "quantize_rows": lambda: quantize_rows(x),
         "rowwise": lambda: torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=scale_w, bias=bias,
                                             out_dtype=bf16),

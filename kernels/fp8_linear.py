@@ -12,9 +12,10 @@ holding it in registers), optionally applying GELU-tanh first, so the MLP's seco
 takes the first one's raw output and the activation costs no extra pass.
 
 `fp8_linear_unscaled` leaves the row scales and the bias to the output's consumer: the GEMM
-then runs with one scale per operand (cuBLASLt's tensorwise kernels, 17-28% faster than its
-row-scaled ones at the DiT's MLP shapes on an H100) and returns an `Unscaled`, which
-`quantize_rows` and `gated_residual` finish as they read it.
+then runs with one scale per operand (cuBLASLt's tensorwise kernels, 16-28% faster than its
+row-scaled ones at the DiT's shapes on an H100; benchmarks/RESULTS.md 3.10) and returns an
+`Unscaled`, which the next kernel (`quantize_rows`, `gated_residual`, `qk_norm_rope_into`)
+finishes as it reads it.
 
 `fp8_gemv` is the path for a few rows (the timestep modulation: one row per sample): the
 activations stay in bf16 and the fp8 weight is read once, widened in registers, so it costs
