@@ -12,7 +12,7 @@ holding it in registers), optionally applying GELU-tanh first, so the MLP's seco
 takes the first one's raw output and the activation costs no extra pass.
 
 `fp8_linear_unscaled` leaves the row scales and the bias to the output's consumer: the GEMM
-then runs with one scale per operand (cuBLASLt's tensorwise kernels, 16-28% faster than its
+then runs with one scale per operand (cuBLASLt's tensorwise kernels, 12-28% faster than its
 row-scaled ones at the DiT's shapes on an H100; benchmarks/RESULTS.md 3.10) and returns an
 `Unscaled`, which the next kernel (`quantize_rows`, `gated_residual`, `qk_norm_rope_into`)
 finishes as it reads it.
