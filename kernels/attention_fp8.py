@@ -15,7 +15,10 @@ v; the scale and cast, which also writes the scales cuDNN reads (device tensors:
 sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v and O are
 (B, L, H, D) in memory, the joint layout the DiT's projections read and write.
 
-cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Without it,
+cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Each built plan
+is also kept on disk, serialized (`plan_cache_dir()`, about 100 kB a shape): a later process
+loads it in about 0.03 s where building takes 0.35 s with the CUDA driver's cache filled and
+1.1-1.4 s without (H100, benchmarks/RESULTS.md 7.2). Without it,
 on other GPUs, on masked calls or on shapes cuDNN declines, the call runs exact SDPA and
 logs why once. Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.91 ms
 for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 attention
@@ -24,7 +27,11 @@ Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: e
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 """
 
+import hashlib
+import logging
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,6 +53,7 @@ try:
 except ImportError:  # optional: `pip install nvidia-cudnn-frontend`
     cudnn = None
 
+log = logging.getLogger(__name__)
 OP = "attention_fp8"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -58,6 +66,8 @@ DQ, DK, DV, SO, SS, DS = range(6)
 SUMS_CHUNK = 64  # block sums added per step of the channel means' second pass
 
 _plans: dict[tuple, object] = {}  # shape key -> _Plan, or the reason cuDNN declined it
+# Serialized plans: a new name when the graph below changes, so that old files are not read.
+PLAN_FORMAT = "fp8-sdpa-1"
 _handles: dict[int, object] = {}
 _amax_groups: dict[str, object] = {}  # group name -> process group (`register_amax_group`)
 
@@ -278,10 +288,75 @@ if HAS_TRITON:
         return out
 
 
-class _Plan:
-    """A built cuDNN fp8 SDPA graph for one shape, and its tensor handles."""
+def plan_cache_dir() -> Path | None:
+    """Where built plans are kept: QWEN_TURBO_CUDNN_CACHE, else ~/.cache/qwen_turbo/cudnn;
+    None where QWEN_TURBO_CUDNN_CACHE is 0."""
+    where = os.environ.get("QWEN_TURBO_CUDNN_CACHE", "")
+    if where == "0":
+        return None
+    return Path(where) if where else Path.home() / ".cache" / "qwen_turbo" / "cudnn"
 
-    def __init__(self, handle, b: int, h: int, lq: int, lk: int, d: int):
+
+def _plan_file(device: int, shape: tuple) -> Path | None:
+    """The file of a plan for `shape` on `device`: named for cuDNN's and the frontend's
+    versions, the GPU and the shape, since a plan holds kernels compiled for them."""
+    folder = plan_cache_dir()
+    if folder is None:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    key = (PLAN_FORMAT, cudnn.backend_version(), cudnn.__version__, props.name, props.major,
+           props.minor, shape)  # fmt: skip
+    return folder / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.plan"
+
+
+def read_plan(path: Path | None) -> list[int] | None:
+    """A serialized plan's bytes, or None where there is none to read."""
+    try:
+        return list(path.read_bytes()) if path is not None else None
+    except OSError:
+        return None
+
+
+def write_plan(path: Path | None, data: list[int]) -> None:
+    """Keeps a serialized plan at `path` (written whole, then renamed: a reader never sees
+    part of it); a failure costs only the next process's rebuild."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(bytes(data))
+        os.replace(part, path)
+    except OSError as e:
+        log.debug("cuDNN plan not kept at %s: %s", path, e)
+
+
+class _Plan:
+    """A cuDNN fp8 SDPA graph for one shape, built or loaded from the plan cache; its tensors
+    by uid: q, k, v, O, the two amaxes, then the six scales (slots DQ..DS)."""
+
+    def __init__(self, handle, device: int, b: int, h: int, lq: int, lk: int, d: int):
+        self.handle = handle
+        path = _plan_file(device, (b, h, lq, lk, d))
+        data = read_plan(path)
+        self.loaded = False
+        if data is not None:
+            try:
+                self.graph = cudnn.pygraph(handle=handle)
+                self.graph.deserialize(data)
+                self.loaded = True
+            except Exception as e:  # another cuDNN's file, or a damaged one: built again
+                log.debug("cuDNN plan at %s not loaded: %s", path, e)
+        if not self.loaded:
+            self.graph = self._build(handle, b, h, lq, lk, d)
+            try:
+                write_plan(path, self.graph.serialize())
+            except Exception as e:  # an engine cuDNN cannot serialize: built in each process
+                log.debug("cuDNN plan not serialized: %s", e)
+        self.workspace = self.graph.get_workspace_size()
+
+    @classmethod
+    def _build(cls, handle, b: int, h: int, lq: int, lk: int, d: int):
         g = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, handle=handle,
                           intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
@@ -291,36 +366,34 @@ class _Plan:
                         data_type=cudnn.data_type.FP8_E4M3)  # fmt: skip
 
         one = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
-        self.q, self.k, self.v = g.tensor(**fp8(lq)), g.tensor(**fp8(lk)), g.tensor(**fp8(lk))
-        self.scales = [g.tensor(**one) for _ in range(6)]
-        dq, dk, dv, so, ss, ds = self.scales
-        self.o, _, amax_s, amax_o = g.sdpa_fp8(
-            q=self.q, k=self.k, v=self.v, descale_q=dq, descale_k=dk, descale_v=dv,
+        q, k, v = g.tensor(**fp8(lq)), g.tensor(**fp8(lk)), g.tensor(**fp8(lk))
+        scales = [g.tensor(**one) for _ in range(6)]
+        dq, dk, dv, so, ss, ds = scales
+        o, _, amax_s, amax_o = g.sdpa_fp8(
+            q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv,
             descale_s=ds, scale_s=ss, scale_o=so, is_inference=True,
             attn_scale=1 / math.sqrt(d), use_causal_mask=False,
         )  # fmt: skip
-        self.o.set_output(True).set_dim(fp8(lq)["dim"]).set_stride(fp8(lq)["stride"])
-        self.o.set_data_type(cudnn.data_type.FP8_E4M3)
-        self.amax = (amax_s, amax_o)
-        for t in self.amax:
+        o.set_output(True).set_dim(fp8(lq)["dim"]).set_stride(fp8(lq)["stride"])
+        o.set_data_type(cudnn.data_type.FP8_E4M3)
+        for t in (amax_s, amax_o):
             t.set_output(True).set_dim(one["dim"]).set_stride(one["stride"])
             t.set_data_type(cudnn.data_type.FLOAT)
+        for uid, t in enumerate((q, k, v, o, amax_s, amax_o, *scales)):
+            t.set_uid(uid)
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
-        self.graph, self.handle = g, handle
-        self.workspace = g.get_workspace_size()
+        return g
 
     def run(self, q8, k8, v8, scales: torch.Tensor, out: torch.Tensor) -> None:
         amax = torch.empty(2, dtype=torch.float32, device=out.device)
-        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
-                self.amax[0]: amax[0:1], self.amax[1]: amax[1:2]}  # fmt: skip
-        pack.update({t: scales[i : i + 1] for i, t in enumerate(self.scales)})
+        pack = [q8, k8, v8, out, amax[0:1], amax[1:2], *(scales[i : i + 1] for i in range(6))]
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=out.device)
         cudnn.set_stream(self.handle, torch.cuda.current_stream(out.device).cuda_stream)
-        self.graph.execute(pack, ws, handle=self.handle)
+        self.graph.execute(dict(enumerate(pack)), ws, handle=self.handle)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor):
@@ -332,7 +405,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor):
             if key[0] not in _handles:
                 with torch.cuda.device(key[0]):
                     _handles[key[0]] = cudnn.create_handle()
-            _plans[key] = _Plan(_handles[key[0]], *key[1:])
+            _plans[key] = _Plan(_handles[key[0]], *key)
         except Exception as e:  # cuDNN's "not supported" errors have no common base
             _plans[key] = f"cuDNN declined the fp8 attention graph: {e}".splitlines()[0][:300]
     return _plans[key]

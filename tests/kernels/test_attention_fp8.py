@@ -10,6 +10,7 @@ e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). On an H200 (benchmarks/RE
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,7 +292,33 @@ def test_fallback_cudnn_declines(on_gpu, monkeypatch, fresh_log):
     q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
     _assert_falls_back(q, k, v, fresh_log, "cuDNN declined the fp8 attention graph: no engine")
     attention_fp8(q, k, v)
-    assert built == [("handle", 1, 2, 5, 7, 64)]
+    assert built == [("handle", None, 1, 2, 5, 7, 64)]
+
+
+# The plan cache on disk.
+
+
+def test_plan_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("QWEN_TURBO_CUDNN_CACHE", str(tmp_path))
+    assert mod.plan_cache_dir() == tmp_path
+    monkeypatch.setenv("QWEN_TURBO_CUDNN_CACHE", "0")
+    assert mod.plan_cache_dir() is None
+    monkeypatch.delenv("QWEN_TURBO_CUDNN_CACHE")
+    assert mod.plan_cache_dir() == Path.home() / ".cache" / "qwen_turbo" / "cudnn"
+
+
+def test_plan_files_round_trip(tmp_path):
+    """Written whole then renamed (no part file left), read back as bytes; nothing to read or
+    nowhere to write is not an error."""
+    path = tmp_path / "new" / "a.plan"
+    mod.write_plan(path, [0, 7, 255])
+    assert mod.read_plan(path) == [0, 7, 255]
+    assert [f.name for f in path.parent.iterdir()] == ["a.plan"]
+    assert mod.read_plan(tmp_path / "missing.plan") is None and mod.read_plan(None) is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    mod.write_plan(blocked / "b.plan", [1])  # its folder is a file: logged, not raised
+    mod.write_plan(None, [1])
 
 
 # On a Hopper GPU with the cuDNN frontend.
@@ -322,6 +349,38 @@ def test_gpu_matches_exact(kernel_only, dtype, b, h, lq, lk, d):
     assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
     assert out.transpose(1, 2).is_contiguous()
     assert _gpu_rel(out, q, k, v) <= EXACT_TOL, _gpu_rel(out, q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_plan_cache(kernel_only, monkeypatch, tmp_path):
+    """A built plan is kept on disk; the next one of that shape is loaded from it and computes
+    the same bits; a damaged file is built again and replaced."""
+    monkeypatch.setenv("QWEN_TURBO_CUDNN_CACHE", str(tmp_path))
+    import cudnn
+
+    handle = cudnn.create_handle()
+    gen = torch.Generator("cuda").manual_seed(4)
+    q8, k8, v8 = (torch.randn(1, 333, 2, 64, device="cuda", generator=gen).to(mod.FP8)
+                  for _ in range(3))  # fmt: skip
+    scales = torch.tensor([0.5, 0.5, 0.5, 2, 448, 1 / 448], device="cuda")
+
+    def run(plan):
+        out = torch.full_like(q8, float("nan"))
+        plan.run(q8, k8, v8, scales, out)
+        return out.float()
+
+    built = mod._Plan(handle, 0, 1, 2, 333, 333, 64)
+    (path,) = tmp_path.iterdir()
+    loaded = mod._Plan(handle, 0, 1, 2, 333, 333, 64)
+    assert not built.loaded and loaded.loaded
+    torch.testing.assert_close(run(loaded), run(built), rtol=0, atol=0)
+    assert run(built).isfinite().all()
+    path.write_bytes(b"not a plan")
+    again = mod._Plan(handle, 0, 1, 2, 333, 333, 64)
+    assert not again.loaded and mod._Plan(handle, 0, 1, 2, 333, 333, 64).loaded
+    torch.testing.assert_close(run(again), run(built), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
