@@ -17,8 +17,8 @@ sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v a
 
 cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Each built plan
 is also kept on disk, serialized (`plan_cache_dir()`, about 100 kB a shape): a later process
-loads it in about 0.03 s where building takes 0.35 s with the CUDA driver's cache filled and
-1.1-1.4 s without (H100, benchmarks/RESULTS.md 7.2). Without it,
+loads it in 0.04 s where a process's first build takes 0.34 s with the CUDA driver's cache
+filled and 1.05 s without (H100, benchmarks/RESULTS.md 7.5). Without it,
 on other GPUs, on masked calls or on shapes cuDNN declines, the call runs exact SDPA and
 logs why once. Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.91 ms
 for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 attention
