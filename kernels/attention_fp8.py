@@ -15,12 +15,12 @@ v; the scale and cast, which also writes the scales cuDNN reads (device tensors:
 sync, CUDA graphs capture it); and O back to q's dtype plus the means. q, k, v and O are
 (B, L, H, D) in memory, the joint layout the DiT's projections read and write.
 
-cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Each built plan
-is also kept on disk, serialized (`plan_cache_dir()`, about 100 kB a shape): a later process
-loads it in 0.04 s where a process's first build takes 0.34 s with the CUDA driver's cache
-filled and 1.05 s without (H100, benchmarks/RESULTS.md 7.5). Without it,
+cuDNN's graph API comes from the optional `nvidia-cudnn-frontend` package. Without it,
 on other GPUs, on masked calls or on shapes cuDNN declines, the call runs exact SDPA and
-logs why once. Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.91 ms
+logs why once. Each built plan is also kept on disk, serialized (`plan_cache_dir()`, about
+100 kB a shape): a later process loads it in 0.04 s where a process's first build takes
+0.34 s with the CUDA driver's cache filled and 1.05 s without (H100, benchmarks/RESULTS.md
+7.5). Measured on an H200 (cuDNN 9.19) at L = 24,905, H = 24, D = 128: 9.91 ms
 for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 attention
 (benchmarks/RESULTS.md). At L = 7,145 the passes around the kernel (0.5 ms) eat its gain.
 Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: each of
