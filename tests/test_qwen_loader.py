@@ -612,6 +612,10 @@ def test_fp8_fast_mlp_leaves_row_scales_and_bias_to_the_next_kernel(monkeypatch)
         lambda x, w, scale, bias, gelu, x_fp8: calls.append((x, scale, bias, gelu, x_fp8)) or y,
     )  # fmt: skip
     assert fast.unscaled(x) is y and calls[0][1].numel() == 1 and calls[0][4] is None
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, *args: x)
+    handle = fast.register_forward_hook(lambda *args: None)  # a hook sees the finished output
+    assert fast.unscaled(x) is x and len(calls) == 1
+    handle.remove()
     assert fast.linear_of_gelu(y, unscaled=True) is y
     _, scale, bias, gelu, x_fp8 = calls[1]
     assert gelu and torch.equal(bias, sd["bias"]) and scale.item() == 0.5

@@ -229,8 +229,9 @@ class Fp8FastLinear(Fp8Linear):
 
     def unscaled(self, x) -> "torch.Tensor | Unscaled":
         """self(x), as an `Unscaled` where it runs an fp8 GEMM that can leave the row scales
-        and the bias to the next kernel."""
-        return self._fp8(x, unscaled=True) if self._lossy() else self(x)
+        and the bias to the next kernel (not past a forward hook someone put on the layer)."""
+        hooked = self._forward_hooks or self._forward_pre_hooks
+        return self._fp8(x, unscaled=True) if self._lossy() and not hooked else self(x)
 
     def linear_of_gelu(self, x, unscaled=False):
         """self(gelu_tanh(x)), the GELU fused into the activation quantization. x may be an
