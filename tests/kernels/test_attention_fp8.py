@@ -10,6 +10,7 @@ e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). On an H200 (benchmarks/RE
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,57 @@ def test_plan_cache_dir(monkeypatch, tmp_path):
     assert mod.plan_cache_dir() is None
     monkeypatch.delenv("QWEN_TURBO_CUDNN_CACHE")
     assert mod.plan_cache_dir() == Path.home() / ".cache" / "qwen_turbo" / "cudnn"
+
+
+class _FakeGraph:
+    """Stands in for a cuDNN pygraph: serializes to `data`, or raises where cuDNN cannot."""
+
+    def __init__(self, data=None, serializable=True):
+        self.data, self.serializable = data, serializable
+
+    def serialize(self):
+        if not self.serializable:
+            raise RuntimeError("this engine cannot be serialized")
+        return self.data
+
+    def deserialize(self, data):
+        if data == list(b"damaged"):
+            raise RuntimeError("not a plan")
+        self.data = data
+
+    def get_workspace_size(self):
+        return 0
+
+
+@pytest.mark.parametrize("serializable", [True, False])
+def test_plan_built_kept_then_loaded(monkeypatch, tmp_path, serializable):
+    """On the CPU, cuDNN faked: a plan is built and kept, the next one of that shape is
+    loaded, a damaged file is built again and replaced; where cuDNN cannot serialize the
+    engine each plan is built and nothing is kept. Another shape gets a file of its own."""
+    fake = types.SimpleNamespace(pygraph=lambda handle: _FakeGraph(), backend_version=lambda: 91900,
+                                 __version__="1.32.0")  # fmt: skip
+    props = types.SimpleNamespace(name="GPU", major=9, minor=0)
+    monkeypatch.setattr(mod, "cudnn", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setenv("QWEN_TURBO_CUDNN_CACHE", str(tmp_path))
+    builds = []
+
+    def build(handle, *shape):
+        builds.append(shape)
+        return _FakeGraph([len(builds)], serializable)
+
+    monkeypatch.setattr(mod._Plan, "_build", staticmethod(build))
+    first, second = mod._Plan("h", 0, 1, 2, 5, 5, 64), mod._Plan("h", 0, 1, 2, 5, 5, 64)
+    files = list(tmp_path.iterdir())
+    if not serializable:
+        assert not first.loaded and not second.loaded and len(builds) == 2 and files == []
+        return
+    assert not first.loaded and second.loaded and second.graph.data == [1] and len(builds) == 1
+    files[0].write_bytes(b"damaged")
+    again = mod._Plan("h", 0, 1, 2, 5, 5, 64)
+    assert not again.loaded and mod.read_plan(files[0]) == [2]
+    mod._Plan("h", 0, 1, 2, 6, 6, 64)
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_plan_files_round_trip(tmp_path):
