@@ -22,6 +22,7 @@ activations stay in bf16 and the fp8 weight is read once, widened in registers, 
 one pass over the fp8 weight instead of a bf16 copy of it.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -253,6 +254,7 @@ def quantize_rows(
     return _quantize_rows_op(x if x.stride(1) == 1 else x.contiguous(), gelu, row_scale, bias)
 
 
+@functools.cache  # a device's answer does not change; asked at every fp8 GEMM
 def fp8_gemm_reason(device: torch.device) -> str | None:
     """Why this device cannot run fp8 GEMMs (torch._scaled_mm with row-wise scales), or None."""
     if device.type != "cuda":
