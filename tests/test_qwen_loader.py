@@ -551,6 +551,20 @@ def test_a_dropped_clone_leaves_the_page_locked_weights_to_its_parent(monkeypatc
     assert unpinned == [ptr]
 
 
+def _fp8_layers(k: int, n: int):
+    """An Fp8FastLinear and an Fp8Linear (k -> n) loaded from one random scaled-fp8 state
+    dict (scale 0.5), and that state dict."""
+    sd = {
+        "weight": torch.randn(n, k).to(FP8),
+        "bias": torch.randn(n, dtype=torch.bfloat16),
+        "scale_weight": torch.tensor(0.5),
+    }
+    fast, plain = fp8.fp8_ops(fast=True).Linear(k, n), fp8.fp8_ops(fast=False).Linear(k, n)
+    for layer in (fast, plain):
+        layer.load_state_dict(dict(sd))
+    return fast, plain, sd
+
+
 def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
     """Under fp8.safe_compute an Fp8FastLinear runs no fp8 GEMM, alone, fused with its GELU or
     sharing its input, and gives Fp8Linear's result; outside it the fp8 GEMMs run. A layer the
@@ -558,14 +572,7 @@ def test_fp8_fast_layers_compute_in_bf16_on_the_safe_path(monkeypatch):
     gemms = []
     monkeypatch.setattr(fp8, "fp8_linear", lambda x, w, *a, **k: gemms.append(x) or x[..., :4])
     monkeypatch.setattr(fp8, "_gemv_sized", lambda x: False)
-    sd = {
-        "weight": torch.randn(4, 8).to(FP8),
-        "bias": torch.randn(4, dtype=torch.bfloat16),
-        "scale_weight": torch.tensor(0.5),
-    }
-    fast, plain = fp8.fp8_ops(fast=True).Linear(8, 4), fp8.fp8_ops(fast=False).Linear(8, 4)
-    for layer in (fast, plain):
-        layer.load_state_dict(dict(sd))
+    fast, plain, _ = _fp8_layers(8, 4)
     x = torch.randn(5, 8, dtype=torch.bfloat16)
     with fp8.safe_compute():
         assert fp8.in_safe_compute()
@@ -591,14 +598,7 @@ def test_fp8_fast_mlp_leaves_row_scales_and_bias_to_the_next_kernel(monkeypatch)
     fp8 GEMM (no fp8 GPU here), it finishes its input first and computes as Fp8Linear."""
     from qwen_turbo.kernels import fp8_linear as kernels
 
-    sd = {
-        "weight": torch.randn(16, 16).to(FP8),
-        "bias": torch.randn(16, dtype=torch.bfloat16),
-        "scale_weight": torch.tensor(0.5),
-    }
-    fast, plain = fp8.fp8_ops(fast=True).Linear(16, 16), fp8.fp8_ops(fast=False).Linear(16, 16)
-    for layer in (fast, plain):
-        layer.load_state_dict(dict(sd))
+    fast, plain, sd = _fp8_layers(16, 16)
     x = torch.randn(20, 16, dtype=torch.bfloat16)
     y = kernels.Unscaled(x, torch.rand(20, 1) + 0.5, torch.randn(16, dtype=torch.bfloat16))
     out = fast.linear_of_gelu(y, unscaled=True)  # no fp8 GEMMs on this CPU
