@@ -85,6 +85,11 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
     "finite_guard": [
         attr("comfy.patcher_extension", "WrappersMP.PREDICT_NOISE"),
     ],
+    "lockstep": [
+        attr("comfy.patcher_extension", "WrappersMP.CALC_COND_BATCH"),
+        attr("comfy.samplers", "get_area_and_mult"),
+        attr("comfy.samplers", "can_concat_cond"),
+    ],
     "batch_fit": [
         params("comfy.sampler_helpers", "estimate_memory", "model", "noise_shape", "conds"),
         attr("comfy.sampler_helpers", "convert_cond"),

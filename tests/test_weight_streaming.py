@@ -4,10 +4,16 @@ fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to
 through the page-locked buffer gives ComfyUI's own load's weights."""
 
 import copy
+import logging
+import threading
 import time
 
 import comfy.cli_args
 import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.patcher_extension as pe
+import comfy.sampler_helpers
+import comfy.samplers
 import comfy.sd
 import comfy.utils
 import pytest
@@ -16,16 +22,17 @@ from safetensors.torch import load_file, save_file
 
 from qwen_turbo import runtime
 from qwen_turbo.kernels.fp8_linear import FP8
-from qwen_turbo.runtime.dit import config, loader, streaming
+from qwen_turbo.runtime.dit import config, loader, lockstep, streaming
 from qwen_turbo.runtime.dit.patcher import HostCopies, LoaderState
 from tests.harness import models
 
 
-def _model(sd, weight_dtype, lora=None, device=None):
-    """(patcher with fused blocks and `lora`, the same with streaming, its streamer), loading
-    onto `device` where given (ComfyUI runs on the CPU in tests)."""
+def _model(sd, weight_dtype, lora=None, device=None, fused=True):
+    """(patcher with fused blocks (or the host's) and `lora`, the same with streaming, its
+    streamer), loading onto `device` where given (ComfyUI runs on the CPU in tests)."""
     patcher = loader.build(dict(sd), config.read_config(sd), weight_dtype)
-    loader.add_fused_blocks(patcher)
+    if fused:
+        loader.add_fused_blocks(patcher)
     if device is not None:
         patcher.load_device = device
     if lora is not None:
@@ -367,3 +374,133 @@ def test_load_to_gpu_through_the_buffer_gives_comfyui_load(tmp_path, monkeypatch
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_calls_in_lockstep_take_turns_at_each_block():
+    """Each call runs on a thread of its own under the caller's inference mode, one at a time,
+    handing over at each block's start; the results come back in order."""
+    streamer = streaming.BlockStreamer([torch.nn.Identity() for _ in range(3)])
+    order = []
+
+    def call(k):
+        def run():
+            x = torch.zeros(1)
+            for i in range(3):
+                x = streamer.forward(i, lambda h, i=i: order.append((k, i)) or h + 1)(x)
+            return k, int(x), torch.is_inference_mode_enabled()
+
+        return run
+
+    with torch.inference_mode():
+        got = streamer.in_lockstep([call(0), call(1)])
+    assert got == [(0, 3, True), (1, 3, True)]
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def _cond_batch(patcher, lengths, seed=3):
+    """ComfyUI's calc_cond_batch for one step with a cond of each text length in `lengths`
+    (positive first), every layer of `patcher` left on the host, as a sampler runs it."""
+    cfg = config.read_config(patcher.model.diffusion_model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, cfg.out_channels, 1, 12, 10, generator=g)
+    texts = [torch.randn(1, n, cfg.joint_attention_dim, generator=g) for n in lengths]
+    names = ["positive", "negative"][: len(lengths)]
+    with torch.inference_mode():
+        patcher.patch_model(patcher.load_device, lowvram_model_memory=1)
+        patcher.pre_run()
+        try:
+            conds = {
+                k: comfy.sampler_helpers.convert_cond([[t, {}]])
+                for k, t in zip(names, texts, strict=True)
+            }
+            conds = comfy.samplers.process_conds(patcher.model, x, conds, x.device)
+            options = comfy.model_patcher.create_model_options_clone(patcher.model_options)
+            comfy.sampler_helpers.prepare_model_patcher(patcher, conds, options)  # the wrappers
+            t = torch.tensor([0.6])
+            out = comfy.samplers.calc_cond_batch(
+                patcher.model, [conds[k] for k in names], x, t, options
+            )
+        finally:
+            patcher.cleanup()
+            patcher.unpatch_model(patcher.offload_device)
+    mm.unload_all_models()
+    return [o.float() for o in out]
+
+
+def _with_lockstep(narrow_sd, fused=False):
+    """(patcher streaming its weights, the same with the lockstep wrapper, the streamer); the
+    host's blocks unless `fused` (Triton's interpreter runs the fused ones slowly on the CPU)."""
+    _, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast", fused=fused)
+    both = streamed.clone()
+    lockstep.add(both)
+    return streamed, both, streamer
+
+
+def test_cond_and_uncond_in_lockstep_give_the_calls_one_by_one(narrow_sd):
+    """Texts of two lengths (which ComfyUI never batches): the same bits as ComfyUI's two
+    calls, with each block's weights copied once for both."""
+    alone, both, streamer = _with_lockstep(narrow_sd, fused=True)
+    want = _cond_batch(alone, (7, 5))
+    assert streamer.copies == 2 * len(streamer.layers)  # each call copies every block
+    streamer.copies = 0
+    got = _cond_batch(both, (7, 5))
+    assert streamer.copies == len(streamer.layers)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not streamer.shared and not streamer.ahead
+    assert not [t for t in threading.enumerate() if t.name == "qwen-turbo-lockstep"]
+
+
+def test_conds_comfyui_batches_are_left_to_it(narrow_sd, monkeypatch):
+    """Texts of one length run as ComfyUI's one batch: no lockstep."""
+    _, both, streamer = _with_lockstep(narrow_sd)
+    monkeypatch.setattr(streaming.BlockStreamer, "in_lockstep", None)  # fails if called
+    assert len(_cond_batch(both, (6, 6))) == 2
+    assert streamer.copies == len(streamer.layers)
+
+
+def test_foreign_code_in_the_call_keeps_lockstep_off(narrow_sd, caplog, monkeypatch):
+    """Another node's wrapper inside the model call may keep state across calls: ComfyUI's
+    calls one by one, the reason logged."""
+    alone, both, streamer = _with_lockstep(narrow_sd)
+    want = _cond_batch(alone, (7, 5))
+    both.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "other", lambda e, *a, **k: e(*a, **k))
+    monkeypatch.setattr(runtime, "_logged", set())
+    caplog.set_level(logging.INFO)
+    streamer.copies = 0
+    got = _cond_batch(both, (7, 5))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert streamer.copies == 2 * len(streamer.layers)
+    assert "conds not in lockstep: 'other' diffusion_model wrapper" in caplog.text
+
+
+def _raising_in(call: int, error: Exception):
+    """A BlockStreamer._staged that raises `error` in the lockstep's call `call`."""
+    staged = streaming.BlockStreamer._staged
+
+    def raising(self, i, device, lockstep):
+        if lockstep is not None and lockstep[2] == call:
+            raise error
+        return staged(self, i, device, lockstep)
+
+    return raising
+
+
+def test_out_of_memory_in_lockstep_runs_the_calls_one_by_one(narrow_sd, monkeypatch):
+    alone, both, streamer = _with_lockstep(narrow_sd)
+    want = _cond_batch(alone, (7, 5))
+    monkeypatch.setattr(streaming.BlockStreamer, "_staged",
+                        _raising_in(1, torch.OutOfMemoryError("no room")))  # fmt: skip
+    got = _cond_batch(both, (7, 5))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    wrapper = both.wrappers["calc_cond_batch"][lockstep.KEY][0]
+    assert wrapper.out_of_memory  # that size runs one by one from now on
+    assert not streamer.shared and not streamer.ahead
+
+
+def test_an_error_in_one_call_stops_the_other_and_is_raised(narrow_sd, monkeypatch):
+    _, both, streamer = _with_lockstep(narrow_sd)
+    monkeypatch.setattr(streaming.BlockStreamer, "_staged", _raising_in(1, InterruptedError()))
+    with pytest.raises(InterruptedError):
+        _cond_batch(both, (7, 5))
+    assert not streamer.shared and not streamer.ahead
+    assert not [t for t in threading.enumerate() if t.name == "qwen-turbo-lockstep"]

@@ -19,7 +19,7 @@ import torch
 
 from ...kernels import warmup
 from .. import host, log_once
-from . import blocks, convert, files, probe, streaming
+from . import blocks, convert, files, lockstep, probe, streaming
 from .attention import OVERRIDE, QUANTIZED, attention_override
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
@@ -261,6 +261,8 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
         add_fused_blocks(patcher)
     if state.weights.startswith("fp8"):
         stream_offloaded_weights(patcher)
+        if _host_allows("lockstep", "cond and uncond in lockstep", notes):
+            lockstep.add(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
         if fused and attention == "fp8_cudnn" and state.weights.startswith("fp8"):

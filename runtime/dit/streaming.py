@@ -14,14 +14,19 @@ buffer), or where that fails get a pinned copy. Either is kept while the tensor 
 Where the next block's copy would not fit in free memory, or runs out of it, that block's
 layers take ComfyUI's own per-layer copies: slower, never a failure.
 
+Calls run in lockstep (`BlockStreamer.in_lockstep`: cond and uncond where ComfyUI cannot batch
+them) take turns at each block, so each block's copies cross once for all of them.
+
 `Uploader` speeds up the other copies, the weights a load moves to the GPU for good.
 """
 
 import bisect
 import contextlib
+import contextvars
 import copy
 import ctypes
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,24 +132,95 @@ def discard_error() -> None:
         torch.empty(1, device="cuda").zero_()
 
 
+class Cancelled(Exception):
+    """Raised in a call run in lockstep, at its next block, once another of them has failed."""
+
+
+class Turns:
+    """Calls on threads of their own that run one at a time: each hands over at the start of
+    each block to the next call still running."""
+
+    def __init__(self, n: int):
+        self.lock = threading.Condition()
+        self.turn = 0
+        self.running = [True] * n
+        self.failed = False
+
+    def _pass(self, me: int) -> None:
+        n = len(self.running)
+        self.turn = next((j % n for j in range(me + 1, me + n) if self.running[j % n]), me)
+        self.lock.notify_all()
+
+    def wait(self, me: int) -> None:
+        """Until it is `me`'s turn; Cancelled where another call has failed."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.turn == me)
+        if self.failed:
+            raise Cancelled
+
+    def hand_over(self, me: int) -> None:
+        with self.lock:
+            self._pass(me)
+        self.wait(me)
+
+    def finish(self, me: int, failed: bool) -> None:
+        with self.lock:
+            self.running[me] = False
+            self.failed |= failed
+            self._pass(me)
+
+    def others(self) -> int:
+        """How many calls run besides the one whose turn it is."""
+        return sum(self.running) - 1
+
+
+# (streamer, its Turns, this call's index) in a call that `BlockStreamer.in_lockstep` runs
+_lockstep = contextvars.ContextVar("qwen_turbo_lockstep", default=None)
+
+
+def with_torch_state(fn: Callable) -> Callable:
+    """`fn`, to run on another thread under this one's grad or inference mode and current CUDA
+    stream (all three are per thread)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
+    def run(*args):
+        with contextlib.ExitStack() as stack:
+            mode = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
+            stack.enter_context(mode)
+            if stream is not None:
+                stack.enter_context(torch.cuda.device(stream.device))
+                stack.enter_context(torch.cuda.stream(stream))
+            return fn(*args)
+
+    return run
+
+
 class BlockStreamer:
     """Copies ahead the offloaded weights of a model's blocks, run in order.
 
     `blocks[i]`'s layers with a `staged` attribute are the ones streamed; `forward(i, inner)`
     is block i's forward with the copies around it. A copy made ahead is kept only until the
-    block it is for has run, so nothing stays on the GPU between model calls.
+    block it is for has run (in every call of a lockstep), so nothing stays on the GPU between
+    model calls.
     """
 
     def __init__(self, blocks):
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
         self.page_lock = True  # page-lock pageable sources; off once pinning fails
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
+        # block -> (its staged weights, how many calls in lockstep have still to run it)
+        self.shared: dict[int, tuple[list, int]] = {}
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies = 0  # blocks staged, for tests and the log
         self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
         # after(i, output, kwargs, call): sees block i's output while its copies are staged;
         # call(**changes) runs the block again there (the fidelity probe's lossy rerun)
         self.after: Callable | None = None
+
+    def streams_now(self) -> bool:
+        """Whether some block's layers are offloaded now."""
+        return any(offloaded(m) for layers in self.layers for m in layers)
 
     def _pinned(self, t: torch.Tensor, old: dict, new: dict) -> torch.Tensor:
         """`t`, page-locked where this host left it pageable: registered where it lies, else a
@@ -249,7 +325,10 @@ class BlockStreamer:
         staged, and block i + 1's copied meanwhile."""
 
         def forward(hidden_states, *args, **kwargs):
-            if i == 0:
+            lockstep = _lockstep.get()
+            if lockstep is not None and lockstep[0] is self:
+                lockstep[1].hand_over(lockstep[2])  # the other calls run up to this block
+            elif i == 0:
                 self._drop_ahead()  # left by a call that did not run every block
             streamed = False
             for m in self.layers[i]:
@@ -259,14 +338,7 @@ class BlockStreamer:
                     m.__dict__.pop("_pinned", None)
             if not streamed:
                 return self._run(i, inner, hidden_states, args, kwargs)
-            device = hidden_states.device
-            # a layer reloaded since its copy was made takes ComfyUI's copy
-            staged = [s for s in self._take(i, device) if s[0].weight is s[1]]
-            if i + 1 < len(self.layers):
-                self._prefetch(i + 1, device)
-            if staged and not self.copies:
-                log_once(log, logging.INFO, "weight streaming: offloaded weights copied ahead")
-            self.copies += bool(staged)
+            staged = self._staged(i, hidden_states.device, lockstep)
             try:
                 for m, _, tensors in staged:  # plain attributes: past nn.Module's __setattr__
                     m.__dict__["staged"] = tensors
@@ -280,6 +352,66 @@ class BlockStreamer:
 
         forward.__wrapped__ = inner  # for inspect.unwrap: what this block runs
         return forward
+
+    def _staged(self, i: int, device: torch.device, lockstep) -> list:
+        """Block i's staged weights: those a call in lockstep took for it before, or taken now
+        (and block i + 1's copies started), then kept for the calls in lockstep still to run
+        block i. A layer reloaded since its copy was made is left out: it takes ComfyUI's."""
+        if i in self.shared:
+            staged, left = self.shared.pop(i)
+            if left > 1:
+                self.shared[i] = (staged, left - 1)
+            return [s for s in staged if s[0].weight is s[1]]
+        staged = self._take(i, device)
+        if i + 1 < len(self.layers):
+            self._prefetch(i + 1, device)
+        others = lockstep[1].others() if lockstep is not None and lockstep[0] is self else 0
+        if others:
+            self.shared[i] = (staged, others)
+        staged = [s for s in staged if s[0].weight is s[1]]
+        if staged and not self.copies:
+            log_once(log, logging.INFO, "weight streaming: offloaded weights copied ahead")
+        self.copies += bool(staged)
+        return staged
+
+    def in_lockstep(self, calls: list[Callable]) -> list:
+        """[call() for call in calls], each on a thread of its own (the first on this one) with
+        this thread's torch state and context, one at a time, handing over at the start of
+        each block: block i's copies serve every call, so the offloaded weights cross once for
+        all of them. Where a call raises, the others stop at their next block and its error
+        is raised here."""
+        turns = Turns(len(calls))
+        results, errors = [None] * len(calls), [None] * len(calls)
+
+        def run(k: int) -> None:
+            token = _lockstep.set((self, turns, k))
+            try:
+                if k:
+                    turns.wait(k)
+                results[k] = calls[k]()
+            except BaseException as e:  # raised on the caller's thread below
+                errors[k] = e
+            finally:
+                _lockstep.reset(token)
+                turns.finish(k, errors[k] is not None)
+
+        self._drop_ahead()
+        threads = [
+            threading.Thread(target=contextvars.copy_context().run, daemon=True,
+                             args=(with_torch_state(run), k), name="qwen-turbo-lockstep")
+            for k in range(1, len(calls))
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        self.shared.clear()  # kept for a call that stopped early
+        self._drop_ahead()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise next((e for e in failed if not isinstance(e, Cancelled)), failed[0])
+        return results
 
     def _run(self, i: int, inner: Callable, hidden_states, args, kwargs):
         out = inner(hidden_states, *args, **kwargs)
