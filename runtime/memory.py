@@ -6,10 +6,12 @@ ComfyUI counts as free (torch's reserved, unused memory) but cannot drop. Each s
 registers here under its model, and every feature that needs room goes through here: the
 Optimized Loader's patcher when ComfyUI asks a model for room (`drop`), VAE Tiling before a
 decode (`held_bytes`, `release_all`), the CUDA Graph Sampler after a run (`trim`), after an
-out-of-memory error (`release_all`) and on unload (`release`).
+out-of-memory error (`release_all`) and on unload (`release`). What the pack needs beside a
+model's weights is held while ComfyUI loads it (`hold`), so that the load leaves that room.
 """
 
 import weakref
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 import torch
@@ -83,3 +85,22 @@ def release_all() -> int:
     if freed and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return freed
+
+
+HOLD_PIECE = 64 * 2**20  # `hold`'s allocations: after a run, free blocks are rarely larger
+
+
+@contextmanager
+def hold(device: torch.device, nbytes: int):
+    """`nbytes` of `device`'s memory taken for the block, in pieces of at most HOLD_PIECE (the
+    allocator's free blocks after a run are many and smaller), as many as are free: ComfyUI's
+    free count leaves them out, and they are free again after it."""
+    pieces = []
+    with suppress(torch.OutOfMemoryError):
+        while nbytes > 0:
+            pieces.append(torch.empty(min(nbytes, HOLD_PIECE), dtype=torch.uint8, device=device))
+            nbytes -= HOLD_PIECE
+    try:
+        yield
+    finally:
+        del pieces

@@ -329,7 +329,7 @@ def test_the_load_of_a_model_streaming_its_weights_leaves_the_cond_batch_room(di
         holds.append(nbytes)
         yield
 
-    monkeypatch.setattr(sampling, "held", held)
+    monkeypatch.setattr(memory, "hold", held)
     monkeypatch.setattr(model, "partially_unload", lambda device, n: freed.append(n) or n)
 
     def load(model, *args, **kwargs):
@@ -344,10 +344,10 @@ def test_the_load_of_a_model_streaming_its_weights_leaves_the_cond_batch_room(di
 
 
 @pytest.mark.parametrize("limit, sizes", [(None, [400, 400, 200]), (1, [400])])
-def test_held_takes_the_bytes_for_the_block_as_far_as_they_are_free(monkeypatch, limit, sizes):
+def test_hold_takes_the_bytes_for_the_block_as_far_as_they_are_free(monkeypatch, limit, sizes):
     """The room is held in pieces of at most HOLD_PIECE while the block runs and let go after
     it; where memory runs out the block runs with the pieces taken so far."""
-    monkeypatch.setattr(sampling, "HOLD_PIECE", 400)
+    monkeypatch.setattr(memory, "HOLD_PIECE", 400)
     made = []
     empty = torch.empty
 
@@ -358,7 +358,7 @@ def test_held_takes_the_bytes_for_the_block_as_far_as_they_are_free(monkeypatch,
         return made[-1]
 
     monkeypatch.setattr(torch, "empty", allocate)
-    with sampling.held(torch.device("cpu"), 1000):
+    with memory.hold(torch.device("cpu"), 1000):
         assert [t.numel() for t in made] == sizes
         pieces = [weakref.ref(t) for t in made]
         made.clear()

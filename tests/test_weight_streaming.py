@@ -4,9 +4,11 @@ fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to
 through the page-locked buffer gives ComfyUI's own load's weights."""
 
 import copy
+import gc
 import logging
 import threading
 import time
+import weakref
 
 import comfy.cli_args
 import comfy.model_management as mm
@@ -397,40 +399,74 @@ def test_calls_in_lockstep_take_turns_at_each_block():
     assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
 
 
-def _cond_batch(patcher, lengths, seed=3):
-    """ComfyUI's calc_cond_batch for one step with a cond of each text length in `lengths`
-    (positive first), every layer of `patcher` left on the host, as a sampler runs it."""
+def test_a_failed_lockstep_leaves_no_frames_behind():
+    """The failed calls' frames (a model call's activations) go when the error does, without a
+    garbage collection: ComfyUI's calls one by one run next, in that memory."""
+    streamer = streaming.BlockStreamer([torch.nn.Identity()])
+    alive = []
+
+    def call(k):
+        def run():
+            x = torch.zeros(1)
+            alive.append(weakref.ref(x))
+            streamer.forward(0, lambda h: h)(x)
+            if k == 0:
+                raise RuntimeError("the first call fails")
+            return x
+
+        return run
+
+    gc.disable()
+    try:
+        try:
+            streamer.in_lockstep([call(0), call(1)])
+        except RuntimeError as e:
+            assert str(e) == "the first call fails"
+        assert len(alive) == 2 and all(ref() is None for ref in alive)
+    finally:
+        gc.enable()
+
+
+def _cond_batch(patcher, lengths, size=(12, 10), repeats=1):
+    """(ComfyUI's calc_cond_batch for one step with a cond of each text length in `lengths`,
+    positive first, every layer of `patcher` left on the host, as a sampler runs it; seconds
+    of the last of `repeats` calls)."""
     cfg = config.read_config(patcher.model.diffusion_model.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, cfg.out_channels, 1, 12, 10, generator=g)
+    device = patcher.load_device
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, cfg.out_channels, 1, *size, generator=g).to(device)
     texts = [torch.randn(1, n, cfg.joint_attention_dim, generator=g) for n in lengths]
     names = ["positive", "negative"][: len(lengths)]
     with torch.inference_mode():
-        patcher.patch_model(patcher.load_device, lowvram_model_memory=1)
+        patcher.patch_model(device, lowvram_model_memory=1)
         patcher.pre_run()
         try:
             conds = {
                 k: comfy.sampler_helpers.convert_cond([[t, {}]])
                 for k, t in zip(names, texts, strict=True)
             }
-            conds = comfy.samplers.process_conds(patcher.model, x, conds, x.device)
+            conds = comfy.samplers.process_conds(patcher.model, x, conds, device)
             options = comfy.model_patcher.create_model_options_clone(patcher.model_options)
             comfy.sampler_helpers.prepare_model_patcher(patcher, conds, options)  # the wrappers
-            t = torch.tensor([0.6])
-            out = comfy.samplers.calc_cond_batch(
-                patcher.model, [conds[k] for k in names], x, t, options
-            )
+            t = torch.tensor([0.6], device=device)
+            for _ in range(repeats):
+                _sync(x)
+                start = time.perf_counter()
+                out = comfy.samplers.calc_cond_batch(
+                    patcher.model, [conds[k] for k in names], x, t, options
+                )
+                _sync(x)
         finally:
             patcher.cleanup()
             patcher.unpatch_model(patcher.offload_device)
     mm.unload_all_models()
-    return [o.float() for o in out]
+    return [o.float() for o in out], time.perf_counter() - start
 
 
-def _with_lockstep(narrow_sd, fused=False):
+def _with_lockstep(sd, fused=False, device=None):
     """(patcher streaming its weights, the same with the lockstep wrapper, the streamer); the
     host's blocks unless `fused` (Triton's interpreter runs the fused ones slowly on the CPU)."""
-    _, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast", fused=fused)
+    _, streamed, streamer = _model(sd, "fp8_e4m3fn_fast", fused=fused, device=device)
     both = streamed.clone()
     lockstep.add(both)
     return streamed, both, streamer
@@ -440,10 +476,10 @@ def test_cond_and_uncond_in_lockstep_give_the_calls_one_by_one(narrow_sd):
     """Texts of two lengths (which ComfyUI never batches): the same bits as ComfyUI's two
     calls, with each block's weights copied once for both."""
     alone, both, streamer = _with_lockstep(narrow_sd, fused=True)
-    want = _cond_batch(alone, (7, 5))
+    want = _cond_batch(alone, (7, 5))[0]
     assert streamer.copies == 2 * len(streamer.layers)  # each call copies every block
     streamer.copies = 0
-    got = _cond_batch(both, (7, 5))
+    got = _cond_batch(both, (7, 5))[0]
     assert streamer.copies == len(streamer.layers)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert not streamer.shared and not streamer.ahead
@@ -454,7 +490,7 @@ def test_conds_comfyui_batches_are_left_to_it(narrow_sd, monkeypatch):
     """Texts of one length run as ComfyUI's one batch: no lockstep."""
     _, both, streamer = _with_lockstep(narrow_sd)
     monkeypatch.setattr(streaming.BlockStreamer, "in_lockstep", None)  # fails if called
-    assert len(_cond_batch(both, (6, 6))) == 2
+    assert len(_cond_batch(both, (6, 6))[0]) == 2
     assert streamer.copies == len(streamer.layers)
 
 
@@ -462,12 +498,12 @@ def test_foreign_code_in_the_call_keeps_lockstep_off(narrow_sd, caplog, monkeypa
     """Another node's wrapper inside the model call may keep state across calls: ComfyUI's
     calls one by one, the reason logged."""
     alone, both, streamer = _with_lockstep(narrow_sd)
-    want = _cond_batch(alone, (7, 5))
+    want = _cond_batch(alone, (7, 5))[0]
     both.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "other", lambda e, *a, **k: e(*a, **k))
     monkeypatch.setattr(runtime, "_logged", set())
     caplog.set_level(logging.INFO)
     streamer.copies = 0
-    got = _cond_batch(both, (7, 5))
+    got = _cond_batch(both, (7, 5))[0]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert streamer.copies == 2 * len(streamer.layers)
     assert "conds not in lockstep: 'other' diffusion_model wrapper" in caplog.text
@@ -487,10 +523,10 @@ def _raising_in(call: int, error: Exception):
 
 def test_out_of_memory_in_lockstep_runs_the_calls_one_by_one(narrow_sd, monkeypatch):
     alone, both, streamer = _with_lockstep(narrow_sd)
-    want = _cond_batch(alone, (7, 5))
+    want = _cond_batch(alone, (7, 5))[0]
     monkeypatch.setattr(streaming.BlockStreamer, "_staged",
                         _raising_in(1, torch.OutOfMemoryError("no room")))  # fmt: skip
-    got = _cond_batch(both, (7, 5))
+    got = _cond_batch(both, (7, 5))[0]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     wrapper = both.wrappers["calc_cond_batch"][lockstep.KEY][0]
     assert wrapper.out_of_memory  # that size runs one by one from now on
@@ -501,6 +537,45 @@ def test_an_error_in_one_call_stops_the_other_and_is_raised(narrow_sd, monkeypat
     _, both, streamer = _with_lockstep(narrow_sd)
     monkeypatch.setattr(streaming.BlockStreamer, "_staged", _raising_in(1, InterruptedError()))
     with pytest.raises(InterruptedError):
-        _cond_batch(both, (7, 5))
+        _cond_batch(both, (7, 5))[0]
     assert not streamer.shared and not streamer.ahead
     assert not [t for t in threading.enumerate() if t.name == "qwen-turbo-lockstep"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lockstep_full_width_on_gpu():
+    """Six full-width blocks in fp8_fast with fp8_cudnn attention, every layer on the host,
+    1328² with texts of 256 and 31 tokens: the conds in lockstep give the calls one by one bit
+    for bit, copying each block once a step."""
+    from qwen_turbo.cli import bench
+
+    sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
+    alone, both, streamer = _with_lockstep(sd, fused=True, device=torch.device("cuda"))
+    loader.set_attention(alone, "fp8_cudnn")
+    loader.set_attention(both, "fp8_cudnn")
+    want, slow = _cond_batch(alone, (256, 31), (166, 166), repeats=2)
+    streamer.copies = 0
+    got, fast = _cond_batch(both, (256, 31), (166, 166), repeats=2)
+    assert streamer.copies == 2 * len(streamer.layers)  # once a step, two steps
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    print(f"one by one {slow * 1e3:.1f} ms, in lockstep {fast * 1e3:.1f} ms")
+
+
+@pytest.mark.parametrize("case", ["partly loads", "loads whole", "one length"])
+def test_the_load_leaves_room_for_the_second_call(narrow_sd, monkeypatch, case):
+    """Texts of two lengths on a model ComfyUI loads partly: half its estimate for one call is
+    held while it loads; nothing where the whole model loads or ComfyUI batches the conds."""
+    _, both, _ = _with_lockstep(narrow_sd)
+    both.load_device = torch.device("cuda")  # the count only; nothing is allocated
+    latent = torch.zeros(1, 16, 1, 64, 64)
+    lengths = (8, 8) if case == "one length" else (8, 5)
+    conds = {k: comfy.sampler_helpers.convert_cond([[torch.zeros(1, n, 64), {}]])
+             for k, n in zip(("positive", "negative"), lengths, strict=True)}  # fmt: skip
+    one = comfy.sampler_helpers.estimate_memory(both, latent.shape, conds)[1]
+    left = max(mm.minimum_inference_memory(), one + mm.extra_reserved_memory())
+    size = 2**30 if case == "loads whole" else 40 * 2**30
+    monkeypatch.setattr(both, "model_size", lambda: size)
+    monkeypatch.setattr(lockstep.batch_fit, "freeable", lambda device: left + 8 * 2**30)
+    want = int(lockstep.ROOM_SHARE * one) if case == "partly loads" else 0
+    assert one > 0 and lockstep.lockstep_room(both, latent.shape, conds) == want

@@ -5,6 +5,10 @@ calls of a step run on threads of their own, one at a time, block by block
 (`streaming.BlockStreamer.in_lockstep`): each block's weights cross once a step. Each call
 computes what it computes alone, in the same order on the same stream: the same bits.
 
+The second call's tensors between blocks (its hidden states, inputs and RoPE table) need room
+that ComfyUI's load, which leaves free what one call needs, does not leave: it is held while
+ComfyUI loads the model (`room_for_lockstep`), so a little more of the model streams.
+
 Only what is known to hold no per-call Python state runs so: steps with another node's
 wrapper or model patch inside, per-step conds (hooks, ControlNet, masks), a model function
 wrapper or ComfyUI's own multi-GPU go as ComfyUI runs them, with the reason logged once.
@@ -14,19 +18,47 @@ import logging
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
+import comfy.sampler_helpers
 import comfy.samplers
 import torch
 
-from .. import host, log_once
+from .. import batch_fit, host, log_once, memory
 from ..graphs.policy import PER_STEP_CONDS, STEP_CALLBACKS, foreign_code, own
 
 log = logging.getLogger(__name__)
 KEY = "qwen_turbo_lockstep"
+# The room held while ComfyUI loads, as a share of its estimate for one call.
+ROOM_SHARE = 0.5
 
 
 def add(patcher) -> None:
-    """The lockstep wrapper on `patcher`'s model calls (a model with a `BlockStreamer`)."""
+    """The lockstep wrappers on `patcher` (a model with a `BlockStreamer`): on its loads for
+    sampling and on its model calls."""
+    patcher.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, KEY, room_for_lockstep)
     patcher.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, KEY, CondsInLockstep())
+
+
+def room_for_lockstep(executor, model, noise_shape, conds, *args, **kwargs):
+    """PREPARE_SAMPLING wrapper: where the conds' texts differ in length (ComfyUI calls the
+    model once per cond) and ComfyUI's load would leave the model partly on the host, the
+    room the second call needs (`ROOM_SHARE` of ComfyUI's estimate for one call) is held
+    while ComfyUI loads it."""
+    with memory.hold(model.load_device, lockstep_room(model, noise_shape, conds)):
+        return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+def lockstep_room(model, noise_shape, conds: dict) -> int:
+    """The bytes `room_for_lockstep` holds; 0 where the conds run as one batch or one at a
+    time, or the whole model loads."""
+    texts = {tuple(c["cross_attn"].shape) for cs in conds.values() for c in cs
+             if isinstance(c.get("cross_attn"), torch.Tensor)}  # fmt: skip
+    if len(texts) < 2 or model.load_device.type != "cuda":
+        return 0
+    one = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[1]
+    left = max(mm.minimum_inference_memory(), one + mm.extra_reserved_memory())
+    if batch_fit.freeable(model.load_device) - left >= model.model_size():
+        return 0
+    return int(ROOM_SHARE * one)
 
 
 def why_not(executor, model, conds: list, x_in: torch.Tensor, timestep, options: dict) -> str:
@@ -95,11 +127,11 @@ class CondsInLockstep:
         except Exception as e:
             if not host.is_oom(e):
                 raise
-            results = None
+            results, why = None, str(e).splitlines()[0] if str(e) else type(e).__name__
         if results is None:  # outside the handler: the failed calls' frames are gone
             self.out_of_memory.add(tuple(x_in.shape))
-            log.warning("Optimized Loader: cond and uncond in lockstep ran out of memory; they "
-                        "run one after the other at this size")  # fmt: skip
+            log.warning("Optimized Loader: cond and uncond in lockstep ran out of memory (%s); "
+                        "they run one after the other at this size", why)  # fmt: skip
             mm.soft_empty_cache()
             return as_comfyui()
         log_once(log, logging.INFO, "Optimized Loader: cond and uncond run in lockstep, block by "

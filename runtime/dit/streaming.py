@@ -409,9 +409,15 @@ class BlockStreamer:
         self.shared.clear()  # kept for a call that stopped early
         self._drop_ahead()
         failed = [e for e in errors if e is not None]
-        if failed:
-            raise next((e for e in failed if not isinstance(e, Cancelled)), failed[0])
-        return results
+        errors.clear()  # each error's frames hold `errors`: a cycle, kept until a collection
+        if not failed:
+            return results
+        error = next((e for e in failed if not isinstance(e, Cancelled)), failed[0])
+        del failed
+        try:
+            raise error
+        finally:
+            del error  # so is this frame
 
     def _run(self, i: int, inner: Callable, hidden_states, args, kwargs):
         out = inner(hidden_states, *args, **kwargs)

@@ -4,12 +4,11 @@ graphs stay only where they leave ComfyUI the room it counts on. Each step's out
 checked for NaN and Inf (`guard`)."""
 
 import logging
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import comfy.sampler_helpers
-import torch
 
 import nodes as comfy_nodes
 
@@ -66,7 +65,6 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
 # free (samplers.calc_cond_batch); the margin covers the streamed block's weights.
 COND_BATCH_FACTOR = 1.5
 COND_BATCH_MARGIN = 256 * 2**20
-HOLD_PIECE = 64 * 2**20  # `held`'s allocations: after a run, free blocks are rarely larger
 
 
 def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
@@ -75,13 +73,14 @@ def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
     uncond together, calls it once per cond. Where the conds could run as one batch (texts
     of one length: a zeroed negative, say), the load leaves that batch's room (at most half
     of what it would load): the weights then cross once a step. The load is sized by holding
-    that room on the GPU while ComfyUI loads (`load_hold`), so no weight is loaded only to be
-    copied back and pinned; what it still leaves short is freed after it. Models that load on
-    demand (v0.33's dynamic VRAM) count their weights as free for the batch."""
+    that room on the GPU while ComfyUI loads (`load_hold`, `memory.hold`), so no weight is
+    loaded only to be copied back and pinned; what it still leaves short is freed after it.
+    Models that load on demand (v0.33's dynamic VRAM) count their weights as free for the
+    batch."""
     dynamic = getattr(model, "is_dynamic", lambda: False)()
     estimate = None if dynamic else cond_batch(model, noise_shape, conds)
     hold = load_hold(model, *estimate) if estimate else 0
-    with held(model.load_device, hold):
+    with memory.hold(model.load_device, hold):
         out = executor(model, noise_shape, conds, *args, **kwargs)
     loaded, size = model.loaded_size(), model.model_size()
     if estimate is None or not 0 < loaded < size:
@@ -120,22 +119,6 @@ def load_hold(model, batch: int, single: int) -> int:
     if budget >= model.model_size() or not 0 < hold <= budget // 2:
         return 0
     return hold
-
-
-@contextmanager
-def held(device: torch.device, nbytes: int):
-    """`nbytes` of `device`'s memory taken for the block, in pieces of at most HOLD_PIECE (the
-    allocator's free blocks after a run are many and smaller), as many as are free: ComfyUI's
-    free count leaves them out, and they are free again after it."""
-    pieces = []
-    with suppress(torch.OutOfMemoryError):
-        while nbytes > 0:
-            pieces.append(torch.empty(min(nbytes, HOLD_PIECE), dtype=torch.uint8, device=device))
-            nbytes -= HOLD_PIECE
-    try:
-        yield
-    finally:
-        del pieces
 
 
 def cond_shape(cond: dict) -> tuple:
@@ -203,11 +186,12 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
     except Exception as e:
         if not host.is_oom(e):
             raise
+        error = str(e).splitlines()[0] if str(e) else type(e).__name__
     # outside the handler, so the failed run's frames (activations, graph inputs) are freed
     freed = memory.release_all() / 2**30
     mm.soft_empty_cache()
     note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
-    log.warning("CUDA Graph Sampler: %s", note)
+    log.warning("CUDA Graph Sampler: %s (%s)", note, error)
     with host_estimate(model):
         return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
