@@ -226,6 +226,22 @@ def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
     assert len(reasons) == len(calls)
 
 
+def test_a_weight_left_on_the_host_is_copied_once_while_it_stays_the_same():
+    """A norm's gain on the host crosses to the compute device once and is kept; a change in
+    place or a new tensor for it is copied again (the meta device stands in for the GPU)."""
+    norm = torch.nn.RMSNorm(8)
+    meta = torch.device("meta")
+    first = blocks.weight_on(norm, meta)
+    assert first.device == meta and blocks.weight_on(norm, meta) is first
+    with torch.no_grad():
+        norm.weight.mul_(2)  # a patch in place
+    second = blocks.weight_on(norm, meta)
+    assert second is not first
+    norm.weight.data = torch.ones(8)  # a new tensor, as a load back to the host makes
+    assert blocks.weight_on(norm, meta) is not second
+    assert blocks.weight_on(norm, torch.device("cpu")) is norm.weight  # on the device: itself
+
+
 @pytest.mark.skipif(
     not _takes_timestep_zero_index(), reason="this host's block has no timestep_zero_index"
 )
