@@ -226,20 +226,31 @@ def test_fused_block_sends_what_it_does_not_handle_to_the_host_block():
     assert len(reasons) == len(calls)
 
 
-def test_a_weight_left_on_the_host_is_copied_once_while_it_stays_the_same():
-    """A norm's gain on the host crosses to the compute device once and is kept; a change in
-    place or a new tensor for it is copied again (the meta device stands in for the GPU)."""
-    norm = torch.nn.RMSNorm(8)
-    meta = torch.device("meta")
-    first = blocks.weight_on(norm, meta)
-    assert first.device == meta and blocks.weight_on(norm, meta) is first
-    with torch.no_grad():
-        norm.weight.mul_(2)  # a patch in place
-    second = blocks.weight_on(norm, meta)
-    assert second is not first
-    norm.weight.data = torch.ones(8)  # a new tensor, as a load back to the host makes
-    assert blocks.weight_on(norm, meta) is not second
-    assert blocks.weight_on(norm, torch.device("cpu")) is norm.weight  # on the device: itself
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_block_with_norms_left_on_the_host_never_waits_for_the_gpu():
+    """A partial load leaves the q/k norms' gains on the host: the fused block copies them
+    without a synchronizing copy (each would drain the GPU's queue) and gives the result of
+    the block on the GPU."""
+    import comfy.ldm.qwen_image.model as qm
+
+    block = _comfy_block(torch.bfloat16).cuda()
+    img, txt, temb, freqs = (t.cuda() for t in _block_inputs(128, torch.bfloat16))
+    freqs = models.host_rope(freqs)
+    fused = blocks.fused_block_forward(block, qm.optimized_attention_masked)
+    with torch.inference_mode():
+        want = fused(img, txt, None, temb, freqs)
+        attn = block.attn
+        for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+            norm.cpu()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = fused(img, txt, None, temb, freqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.skipif(

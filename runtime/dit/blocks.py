@@ -60,22 +60,6 @@ def unscaled(linear, x: torch.Tensor):
     return linear.unscaled(x) if hasattr(linear, "unscaled") else linear(x)
 
 
-def weight_on(module, device: torch.device) -> torch.Tensor:
-    """`module.weight` on `device`. Where a partial load left it on the host (a norm's gain:
-    the block streamer copies only the fp8 Linears), a copy made once and kept on the module
-    while the weight's storage and version stay: a copy per call from pageable memory (`to`)
-    waits for the GPU to finish all it was given, every offloaded block of every call."""
-    weight = module.weight
-    if weight.device == device:
-        return weight
-    key = (weight.data_ptr(), weight._version, device)
-    kept = module.__dict__.get("_weight_on")
-    if kept is None or kept[1] != key:
-        # kept[0] holds the source's storage: no other tensor takes its address meanwhile
-        kept = module.__dict__["_weight_on"] = (weight.data, key, weight.to(device))
-    return kept[2]
-
-
 def joint_attention(
     attn, img: torch.Tensor, txt: torch.Tensor, freqs: torch.Tensor, attention: Attention,
     transformer_options: dict,
@@ -98,7 +82,8 @@ def joint_attention(
         hq, hk, hv = project(x, linears, unscaled=(0, 1))
         for h, norm, out in ((hq, norms[0], q), (hk, norms[1], k)):
             h = h if isinstance(h, Unscaled) else h.unflatten(-1, (heads, -1))
-            gain = weight_on(norm, out.device)
+            # left on the host by a partial load: a blocking copy would wait for the GPU
+            gain = norm.weight.to(out.device, non_blocking=True)
             qk_norm_rope_into(h, gain, freqs[:, rows], out[:, rows], norm.eps)
         vs.append(hv)
     v = torch.cat(vs, dim=1).unflatten(-1, (heads, -1))
