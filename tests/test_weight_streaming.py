@@ -3,6 +3,7 @@ copied ahead give ComfyUI's own per-layer copies' result, with and without a LoR
 fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to the GPU
 through the page-locked buffer gives ComfyUI's own load's weights."""
 
+import contextlib
 import copy
 import gc
 import logging
@@ -24,8 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from qwen_turbo import runtime
 from qwen_turbo.kernels.fp8_linear import FP8
+from qwen_turbo.runtime import memory
 from qwen_turbo.runtime.dit import config, loader, lockstep, streaming
 from qwen_turbo.runtime.dit.patcher import HostCopies, LoaderState
+from qwen_turbo.runtime.graphs import sampling
 from tests.harness import models
 
 
@@ -565,7 +568,8 @@ def test_lockstep_full_width_on_gpu():
 @pytest.mark.parametrize("case", ["partly loads", "loads whole", "one length"])
 def test_the_load_leaves_room_for_the_second_call(narrow_sd, monkeypatch, case):
     """Texts of two lengths on a model ComfyUI loads partly: half its estimate for one call is
-    held while it loads; nothing where the whole model loads or ComfyUI batches the conds."""
+    held while it loads for a guided run; nothing where the whole model loads or ComfyUI
+    batches the conds."""
     _, both, _ = _with_lockstep(narrow_sd)
     both.load_device = torch.device("cuda")  # the count only; nothing is allocated
     latent = torch.zeros(1, 16, 1, 64, 64)
@@ -579,3 +583,14 @@ def test_the_load_leaves_room_for_the_second_call(narrow_sd, monkeypatch, case):
     monkeypatch.setattr(lockstep.batch_fit, "freeable", lambda device: left + 8 * 2**30)
     want = int(lockstep.ROOM_SHARE * one) if case == "partly loads" else 0
     assert one > 0 and lockstep.lockstep_room(both, latent.shape, conds) == want
+    holds = []
+
+    @contextlib.contextmanager
+    def hold(device, nbytes):
+        holds.append(nbytes)
+        yield
+
+    monkeypatch.setattr(memory, "hold", hold)
+    monkeypatch.setattr(sampling, "load_hold", lambda *a: 0)  # the cond batch's own room
+    assert sampling.room_for_cond_batch(lambda *a: "loaded", both, latent.shape, conds) == "loaded"
+    assert holds == [want]  # the CUDA Graph Sampler's guided runs ask it

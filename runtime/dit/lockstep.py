@@ -7,7 +7,9 @@ computes what it computes alone, in the same order on the same stream: the same 
 
 The second call's tensors between blocks (its hidden states, inputs and RoPE table) need room
 that ComfyUI's load, which leaves free what one call needs, does not leave: it is held while
-ComfyUI loads the model (`room_for_lockstep`), so a little more of the model streams.
+ComfyUI loads the model for a guided run (the CUDA Graph Sampler asks `lockstep_room`), so a
+little more of the model streams; elsewhere a lockstep short of memory runs the calls one by
+one.
 
 Only what is known to hold no per-call Python state runs so: steps with another node's
 wrapper or model patch inside, per-step conds (hooks, ControlNet, masks), a model function
@@ -22,7 +24,7 @@ import comfy.sampler_helpers
 import comfy.samplers
 import torch
 
-from .. import batch_fit, host, log_once, memory
+from .. import batch_fit, host, log_once
 from ..graphs.policy import PER_STEP_CONDS, STEP_CALLBACKS, foreign_code, own
 
 log = logging.getLogger(__name__)
@@ -32,24 +34,17 @@ ROOM_SHARE = 0.5
 
 
 def add(patcher) -> None:
-    """The lockstep wrappers on `patcher` (a model with a `BlockStreamer`): on its loads for
-    sampling and on its model calls."""
-    patcher.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, KEY, room_for_lockstep)
+    """The lockstep wrapper on `patcher`'s model calls (a model with a `BlockStreamer`)."""
     patcher.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, KEY, CondsInLockstep())
 
 
-def room_for_lockstep(executor, model, noise_shape, conds, *args, **kwargs):
-    """PREPARE_SAMPLING wrapper: where the conds' texts differ in length (ComfyUI calls the
-    model once per cond) and ComfyUI's load would leave the model partly on the host, the
-    room the second call needs (`ROOM_SHARE` of ComfyUI's estimate for one call) is held
-    while ComfyUI loads it."""
-    with memory.hold(model.load_device, lockstep_room(model, noise_shape, conds)):
-        return executor(model, noise_shape, conds, *args, **kwargs)
-
-
 def lockstep_room(model, noise_shape, conds: dict) -> int:
-    """The bytes `room_for_lockstep` holds; 0 where the conds run as one batch or one at a
-    time, or the whole model loads."""
+    """The room a guided run's second call needs, for ComfyUI's load of `model` to leave
+    (`ROOM_SHARE` of ComfyUI's estimate for one call): where the conds' texts differ in length
+    (ComfyUI calls the model once per cond) and the load would leave a model that streams its
+    weights partly on the host; else 0."""
+    if getattr(getattr(model.model, "qwen_turbo", None), "streamer", None) is None:
+        return 0
     texts = {tuple(c["cross_attn"].shape) for cs in conds.values() for c in cs
              if isinstance(c.get("cross_attn"), torch.Tensor)}  # fmt: skip
     if len(texts) < 2 or model.load_device.type != "cuda":
@@ -61,7 +56,7 @@ def lockstep_room(model, noise_shape, conds: dict) -> int:
     return int(ROOM_SHARE * one)
 
 
-def why_not(executor, model, conds: list, x_in: torch.Tensor, timestep, options: dict) -> str:
+def why_not(executor, model, conds: list, x_in, timestep, options: dict) -> str | None:
     """Why this step's conds do not run in lockstep: '' where ComfyUI batches them itself (or
     there is one), else the reason; None where they may."""
     if "multigpu_clones" in options:

@@ -13,6 +13,7 @@ import comfy.sampler_helpers
 import nodes as comfy_nodes
 
 from .. import batch_fit, host, log_once, memory
+from ..dit import lockstep
 from ..dit.loader import host_estimate
 from . import guard
 from .cache import count_run, trim_graphs
@@ -76,10 +77,14 @@ def room_for_cond_batch(executor, model, noise_shape, conds, *args, **kwargs):
     that room on the GPU while ComfyUI loads (`load_hold`, `memory.hold`), so no weight is
     loaded only to be copied back and pinned; what it still leaves short is freed after it.
     Models that load on demand (v0.33's dynamic VRAM) count their weights as free for the
-    batch."""
+    batch. Conds of two lengths run in lockstep on an Optimized Loader model that streams its
+    weights (`lockstep`): the load leaves the second call's room."""
     dynamic = getattr(model, "is_dynamic", lambda: False)()
     estimate = None if dynamic else cond_batch(model, noise_shape, conds)
-    hold = load_hold(model, *estimate) if estimate else 0
+    if estimate:
+        hold = load_hold(model, *estimate)
+    else:  # conds of two lengths, the calls in lockstep where the weights stream
+        hold = 0 if dynamic else lockstep.lockstep_room(model, noise_shape, conds)
     with memory.hold(model.load_device, hold):
         out = executor(model, noise_shape, conds, *args, **kwargs)
     loaded, size = model.loaded_size(), model.model_size()
