@@ -1,7 +1,9 @@
 """Weight streaming on a partly loaded Optimized Loader model: each block's offloaded fp8 weights
 copied ahead give ComfyUI's own per-layer copies' result, with and without a LoRA, and every
-fallback (no room, no pinned memory, a layer reloaded) still gives it. A load to the GPU
-through the page-locked buffer gives ComfyUI's own load's weights."""
+fallback (no room, no pinned memory, a layer reloaded) still gives it. Cond and uncond in
+lockstep give ComfyUI's calls one by one, copying each block once, and each reason to run them
+one by one does. A load to the GPU through the page-locked buffer gives ComfyUI's own load's
+weights."""
 
 import contextlib
 import copy
