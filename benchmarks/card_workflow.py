@@ -19,7 +19,8 @@ the rest), as the card is simulated by filling the GPU.
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
 UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches; "stock+fp8_fast"
 (on request) the same with UNETLoader's fp8_e4m3fn_fast, stock's fastest. "pack+VAEDecode"
-(on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling. Each runs
+(on request) is the pack's graph with ComfyUI's VAEDecode in place of VAE Tiling,
+"pack+KSampler" (on request) with KSampler in place of the CUDA Graph Sampler. Each runs
 first with nothing loaded or captured (the files in the OS cache), then with a new sampler seed
 (the conditioning and encodes cached, as in ComfyUI), then (`--new-prompts`) with a new prompt.
 Each row gives the host memory: resident size at its peak, anonymous (not file-backed) at the
@@ -129,7 +130,8 @@ def write_pictures(folder: Path, api: dict) -> None:
 
 
 def prompts(workflow: Path, text_encoder: bool = False) -> dict:
-    """{"pack": api, "stock": api, "stock+fp8_fast": api, "pack+VAEDecode": api} for a bundled
+    """{"pack": api, "stock": api, "stock+fp8_fast": api, "pack+VAEDecode": api, "pack+KSampler":
+    api} for a bundled
     workflow. Without `text_encoder` the text encoding is replaced by seeded conditioning
     (Edit's by QwenTurboTestEditConditioning, which still VAE-encodes the reference pictures)."""
     import nodes
@@ -168,12 +170,21 @@ def prompts(workflow: Path, text_encoder: bool = False) -> dict:
                 "VAEDecode",
                 STOCK["QwenTurboVAEDecodeTiled"][1](node["inputs"]),
             )
+    # the Optimized Loader under stock's KSampler: every model call eager
+    ksampler = _copy(pack)
+    for node in ksampler.values():
+        if node["class_type"] == "QwenTurboCUDAGraphSampler":
+            node["class_type"], node["inputs"] = (
+                "KSampler",
+                STOCK[node["class_type"]][1](node["inputs"]),
+            )
     # stock's best option: UNETLoader's fp8_e4m3fn_fast
     fast = _copy(stock)
     for node in fast.values():
         if node["class_type"] == "UNETLoader":
             node["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
-    return {"pack": pack, "stock": stock, "stock+fp8_fast": fast, "pack+VAEDecode": mixed}
+    return {"pack": pack, "stock": stock, "stock+fp8_fast": fast, "pack+VAEDecode": mixed,
+            "pack+KSampler": ksampler}  # fmt: skip
 
 
 def _copy(api: dict) -> dict:

@@ -136,9 +136,10 @@ def forward_flops(layers: int, width: int, height: int, text_tokens: int = 256,
     return layers * 24.0 * tokens * dim**2, layers * 4.0 * tokens**2 * dim
 
 
-def timed(fn, repeats: int = 3):
-    """(median ms, last result) after one warm-up call; CUDA events on the GPU."""
-    fn()
+def timed(fn, repeats: int = 3, warmups: int = 1):
+    """(median ms, last result) after `warmups` calls; CUDA events on the GPU."""
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(repeats):
         if torch.cuda.is_available():

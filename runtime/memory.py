@@ -1,13 +1,15 @@
 """The one owner of what the pack holds in VRAM beside ComfyUI's models.
 
 ComfyUI's memory manager tracks the models it loads, not what the pack keeps beside them:
-the captured CUDA graphs' memory pools (a cache per model, `graphs.cache.cache_for`), which
-ComfyUI counts as free (torch's reserved, unused memory) but cannot drop. Each such holder
-registers here under its model, and every feature that needs room goes through here: the
-Optimized Loader's patcher when ComfyUI asks a model for room (`drop`), VAE Tiling before a
-decode (`held_bytes`, `release_all`), the CUDA Graph Sampler after a run (`trim`), after an
-out-of-memory error (`release_all`) and on unload (`release`). What the pack needs beside a
-model's weights is held while ComfyUI loads it (`hold`), so that the load leaves that room.
+the captured CUDA graphs' memory pools (a cache per model, `graphs.cache.cache_for`, and the
+block graphs of uncaptured calls, `graphs.blocks`), which ComfyUI counts as free (torch's
+reserved, unused memory) but cannot drop. Each such holder registers here under its model,
+and every feature that needs room goes through here: the Optimized Loader's patcher when
+ComfyUI asks a model for room (`drop`), VAE Tiling before a decode (`held_bytes`,
+`release_all`), the CUDA Graph Sampler after a run (`trim`), after an out-of-memory error
+(`release_all`) and on unload (`release`). What the pack needs beside a model's weights is
+held while ComfyUI loads it (`hold`), so that the load leaves that room; `room` is what a new
+allocation can take.
 """
 
 import weakref
@@ -28,19 +30,26 @@ class Holder(Protocol):
         """Free that VRAM and forget everything (the model is unloaded)."""
 
 
-_holders: "weakref.WeakKeyDictionary[torch.nn.Module, Holder]" = weakref.WeakKeyDictionary()
+# model -> {kind: holder}: the graph runners' cache ("graphs"), the block graphs ("blocks")
+_holders: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Holder]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 # What the pack holds stays after a run only while it is at most this share of the memory
 # left free beside it: this bounds what a later node's request to ComfyUI can be short by.
 KEEP_SHARE = 0.25
 
 
-def register(model: torch.nn.Module, holder: Holder) -> None:
-    _holders[model] = holder
+def register(model: torch.nn.Module, holder: Holder, kind: str = "graphs") -> None:
+    _holders.setdefault(model, {})[kind] = holder
 
 
-def holder(model: torch.nn.Module) -> Holder | None:
-    return _holders.get(model)
+def holder(model: torch.nn.Module, kind: str = "graphs") -> Holder | None:
+    return _holders.get(model, {}).get(kind)
+
+
+def _all() -> list[Holder]:
+    return [h for kinds in list(_holders.values()) for h in kinds.values()]
 
 
 def _of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -51,15 +60,14 @@ def _of(model: torch.nn.Module) -> list[torch.nn.Module]:
 def release(model: torch.nn.Module) -> None:
     """Free and forget what is held for a model, its diffusion model's included (on unload)."""
     for m in _of(model):
-        h = _holders.pop(m, None)
-        if h is not None:
+        for h in _holders.pop(m, {}).values():
             h.clear()
 
 
 def drop(model: torch.nn.Module) -> int:
     """Free what is held for a model, its diffusion model's included; the bytes it held."""
     freed = 0
-    for h in filter(None, map(holder, _of(model))):
+    for h in (h for m in _of(model) for h in _holders.get(m, {}).values()):
         freed += h.held_bytes()
         h.drop()
     return freed
@@ -67,7 +75,7 @@ def drop(model: torch.nn.Module) -> int:
 
 def held_bytes() -> int:
     """What the pack holds in VRAM beside ComfyUI's models."""
-    return sum(h.held_bytes() for h in _holders.values())
+    return sum(h.held_bytes() for h in _all())
 
 
 def trim(free: int) -> int:
@@ -80,11 +88,27 @@ def release_all() -> int:
     """Free everything held, so its memory goes back to the allocator (before a node asks
     ComfyUI to unload or offload a model for room); the bytes it held."""
     freed = held_bytes()
-    for h in list(_holders.values()):
+    for h in _all():
         h.drop()
     if freed and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return freed
+
+
+def room(device: torch.device) -> float:
+    """Bytes a copy can take on `device` without the allocator asking the driver for more
+    than it has: free driver memory plus what the allocator holds unused."""
+    if device.type != "cuda":
+        return float("inf")
+    free = torch.cuda.mem_get_info(device)[0]
+    # one read of the allocator's counters: memory_reserved() and memory_allocated() each
+    # flatten all of them (0.25 ms a call, twice per block)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return (
+        free
+        + stats["reserved_bytes"]["all"]["current"]
+        - stats["allocated_bytes"]["all"]["current"]
+    )
 
 
 HOLD_PIECE = 64 * 2**20  # `hold`'s allocations: after a run, free blocks are rarely larger

@@ -200,7 +200,7 @@ def test_room_is_free_memory_and_what_the_allocator_holds_unused():
     held = torch.empty(64 << 20, dtype=torch.uint8, device=cuda)
     del held  # reserved, not allocated
     want = torch.cuda.mem_get_info(cuda)[0] + torch.cuda.memory_reserved(cuda)
-    assert streaming.room(cuda) == want - torch.cuda.memory_allocated(cuda)
+    assert memory.room(cuda) == want - torch.cuda.memory_allocated(cuda)
     assert torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda) >= 64 << 20
 
 

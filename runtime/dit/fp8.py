@@ -64,6 +64,11 @@ def in_safe_compute() -> bool:
     return _safe.get()
 
 
+def compute_mode() -> tuple[bool, bool]:
+    """What the contexts above set for the call that runs now: (safe path, kept blocks)."""
+    return _safe.get(), _kept.get()
+
+
 def _gemv_sized(x: torch.Tensor) -> bool:
     """Whether x has fewer than GEMV_ROWS rows."""
     return x.numel() < GEMV_ROWS * x.shape[-1]

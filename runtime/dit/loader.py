@@ -19,7 +19,8 @@ import torch
 
 from ...kernels import warmup
 from .. import host, log_once
-from . import blocks, convert, files, lockstep, probe, streaming
+from ..graphs import blocks as block_graphs
+from . import blocks, convert, files, fp8, lockstep, probe, streaming
 from .attention import OVERRIDE, QUANTIZED, attention_override
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
@@ -157,6 +158,38 @@ def add_fused_blocks(patcher) -> None:
         patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
 
 
+BLOCK_ARGS = {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
+              "image_rotary_emb", "timestep_zero_index", "transformer_options"}  # fmt: skip
+
+
+def add_block_graphs(patcher, backend=None) -> block_graphs.BlockGraphs:
+    """Object patches: each fused block replays a CUDA graph of itself in model calls that run
+    eagerly, while its weights are all on the GPU (`graphs.blocks`)."""
+    base = patcher.model
+    layers = base.diffusion_model.transformer_blocks
+    state = base.qwen_turbo
+
+    def call_key():
+        return streaming.lockstep_call(), fp8.compute_mode()
+
+    def block_key(i: int, kwargs: dict):
+        streamer = state.streamer
+        extra = {k: v for k, v in kwargs.items() if k not in BLOCK_ARGS}
+        options = kwargs.get("transformer_options") or {}
+        mask = kwargs.get("encoder_hidden_states_mask")
+        if (streamer is not None and streamer.after is not None) or blocks.why_host_block(
+            mask, extra, options
+        ) is not None:  # the fidelity probe's rerun, or the host's own block
+            return None
+        return i in state.safe_blocks
+
+    graphs = block_graphs.BlockGraphs(base, layers, call_key, block_key, backend)
+    for i in range(len(layers)):
+        key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
+        patcher.add_object_patch(key, graphs.forward(i, patcher.object_patches[key]))
+    return graphs
+
+
 def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
     """Object patches: each block's forward (fused or not) copies the next block's offloaded
     fp8 weights ahead (`streaming`), where ComfyUI's partial load leaves some on the
@@ -259,6 +292,8 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
     fused = fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes)
     if fused:
         add_fused_blocks(patcher)
+        if compile != "regional":  # a compiled block is one graph already
+            add_block_graphs(patcher)
     if state.weights.startswith("fp8"):
         stream_offloaded_weights(patcher)
         if _host_allows("lockstep", "cond and uncond in lockstep", notes):

@@ -34,24 +34,9 @@ from pathlib import Path
 import torch
 
 from .. import log_once
+from ..memory import room
 
 log = logging.getLogger(__name__)
-
-
-def room(device: torch.device) -> float:
-    """Bytes a copy can take on `device` without the allocator asking the driver for more
-    than it has: free driver memory plus what the allocator holds unused."""
-    if device.type != "cuda":
-        return float("inf")
-    free = torch.cuda.mem_get_info(device)[0]
-    # one read of the allocator's counters: memory_reserved() and memory_allocated() each
-    # flatten all of them (0.25 ms a call, twice per block)
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    return (
-        free
-        + stats["reserved_bytes"]["all"]["current"]
-        - stats["allocated_bytes"]["all"]["current"]
-    )
 
 
 def to_device(obj, device: torch.device, copies: list, source: Callable):
@@ -176,6 +161,12 @@ class Turns:
 
 # (streamer, its Turns, this call's index) in a call that `BlockStreamer.in_lockstep` runs
 _lockstep = contextvars.ContextVar("qwen_turbo_lockstep", default=None)
+
+
+def lockstep_call() -> int | None:
+    """The index of the call in lockstep that runs now; None outside a lockstep."""
+    lockstep = _lockstep.get()
+    return None if lockstep is None else lockstep[2]
 
 
 def with_torch_state(fn: Callable) -> Callable:

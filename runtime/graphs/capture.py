@@ -1,16 +1,27 @@
 """The CUDA backend of the graph runners: capture with a warm-up on a side stream."""
 
+import contextvars
 from collections.abc import Callable
 
 import torch
 
+# Set while CudaGraphs captures a call, its warm-up included: the block graphs stand aside.
+_capturing = contextvars.ContextVar("qwen_turbo_capturing_call", default=False)
+
+
+def capturing_call() -> bool:
+    """Whether a graph runner is capturing the call that runs now (or warming it up)."""
+    return _capturing.get()
+
+
+def side_stream(device: int) -> torch.cuda.Stream:
+    """The one capture stream of `device`: cuBLAS keeps a workspace (32 MiB on Hopper) for
+    every stream it has seen, so a new stream per capture would leak one per capture."""
+    return CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
+
 
 class CudaGraphs:
-    """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream.
-
-    The side stream is made once per device: cuBLAS keeps a workspace (32 MiB on Hopper) for
-    every stream it has seen, so a new stream per capture would leak one per capture.
-    """
+    """The real backend: torch.cuda.CUDAGraph with a warm-up on a side stream (`side_stream`)."""
 
     _side: dict[int, torch.cuda.Stream] = {}
 
@@ -31,19 +42,22 @@ class CudaGraphs:
         eagerly, so its output serves the capturing call: no replay of the same step.
         `mode`: CUDA's capture error mode; "relaxed" lets the captured Python query free
         memory (ComfyUI's cond batching does, every step)."""
-        device = torch.cuda.current_device()
-        side = CudaGraphs._side.setdefault(device, torch.cuda.Stream(device))
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = run()
-        torch.cuda.current_stream().wait_stream(side)
-        if isinstance(first, torch.Tensor):
-            first.record_stream(torch.cuda.current_stream())
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=mode):
-            out = run()
+        side = side_stream(torch.cuda.current_device())
+        token = _capturing.set(True)
+        try:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                first = run()
+            torch.cuda.current_stream().wait_stream(side)
+            if isinstance(first, torch.Tensor):
+                first.record_stream(torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_reserved()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode=mode):
+                out = run()
+        finally:
+            _capturing.reset(token)
         nbytes = pool_bytes(graph.pool())
         if nbytes is None:
             nbytes = torch.cuda.memory_reserved() - before

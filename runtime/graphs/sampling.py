@@ -15,7 +15,7 @@ import nodes as comfy_nodes
 from .. import batch_fit, host, log_once, memory
 from ..dit import lockstep
 from ..dit.loader import host_estimate
-from . import guard
+from . import blocks, guard
 from .cache import count_run, trim_graphs
 from .capture import CudaGraphs
 from .runners import KEY, install
@@ -197,7 +197,7 @@ def sample_within_memory(model, whole_step, backend, *args, **kwargs):
     mm.soft_empty_cache()
     note = f"out of memory with graphs ({freed:.2f} GiB dropped); ran as KSampler"
     log.warning("CUDA Graph Sampler: %s (%s)", note, error)
-    with host_estimate(model):
+    with host_estimate(model), blocks.off():
         return comfy_nodes.common_ksampler(model, *args, **kwargs)[0], f"off ({note})"
 
 

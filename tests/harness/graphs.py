@@ -31,6 +31,11 @@ class FailingGraphs(FakeGraphs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
+aten = torch.ops.aten
+ALLOCATIONS = (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
+               aten.new_empty_strided)  # fmt: skip
+
+
 class Recorder(TorchDispatchMode):
     """Records the aten ops run under it, with the tensors they read and wrote."""
 
@@ -45,8 +50,12 @@ class Recorder(TorchDispatchMode):
 
     @torch.no_grad()  # as a CUDA graph's kernels, which autograd never sees
     def replay(self):
-        """Run the ops again on the same tensors, writing into the tensors they wrote."""
+        """Run the ops again on the same tensors, writing into the tensors they wrote; an
+        allocation leaves its tensor as it is (a graph's memory is fixed, and no kernel
+        writes it)."""
         for func, args, kwargs, out in self.ops:
+            if func.overloadpacket in ALLOCATIONS:
+                continue
             new = func(*args, **kwargs)
             for dst, src in zip(tree_leaves(out), tree_leaves(new), strict=True):
                 if isinstance(dst, torch.Tensor) and dst is not src:

@@ -1,0 +1,340 @@
+"""Transformer blocks replayed from CUDA graphs in model calls that run eagerly.
+
+A model call that no graph runner captures (KSampler on the Optimized Loader's model, a DiT
+partly offloaded, a call the capture policy leaves eager) issues each kernel from Python: at
+1328² a block's host time is about its GPU time on an H100, and at 1024² twice it. Here a
+block whose weights are all on the GPU is captured once per call signature and then replayed
+(`BlockGraphs.forward`, the block's forward as an object patch, inside the weight streamer's):
+its host time is a few copies and one launch. Blocks that stream their weights, and calls with
+Python that a replay would skip, run eagerly.
+
+Each call signature (the shapes, strides and dtypes of the block's tensor arguments, its other
+arguments, `call_key()`: the lockstep call, the fp8 compute mode) has a `Chain`: static inputs
+and two pairs of hidden-state buffers (image and text tokens) used in turn, block i reading
+pair i % 2 and writing pair (i + 1) % 2, so consecutive replayed blocks hand over without a
+copy. A block's graph is keyed on its index, its chain, its weights' data pointers, its
+attention override and `block_key(i, kwargs)`. Every allocation inside a graph is freed by its
+end, so all graphs share one memory pool and may replay in any order.
+
+The first call of a key runs eagerly (kernels compile, cuDNN builds its plans), the next one
+captures. An out-of-memory error in a block, captured or not, drops every block graph and
+turns them off for the model until it is unloaded: the block runs again eagerly.
+"""
+
+import contextlib
+import contextvars
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+from .. import host, log_once, memory
+from .capture import capturing_call, pool_bytes, side_stream
+from .policy import foreign_code
+
+log = logging.getLogger(__name__)
+STATES = ("hidden_states", "encoder_hidden_states")  # handed from block to block
+MAX_CHAINS = 4  # call signatures kept, least recently used out
+# A block's activations at their peak, as a multiple of its image tokens' bytes (fused fp8
+# block at 1328², about 0.6 GB against 44 MB): room asked before the first capture.
+PEAK_PER_STATE = 16
+
+_off = contextvars.ContextVar("qwen_turbo_block_graphs_off", default=False)
+
+
+@contextlib.contextmanager
+def off():
+    """Every block runs eagerly inside (a run again after running out of memory)."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+class CudaBlockCapture:
+    """The real backend: each block's graph captured on the side stream into one pool."""
+
+    def __init__(self):
+        self.pool = None
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+    def capture(self, run: Callable[[], None], need: int) -> Callable[[], None]:
+        """`run` captured into the pool; `need`: bytes it may allocate. The allocator cannot
+        free cached memory during a capture, so where the driver has less free it is freed
+        first (what torch.cuda.graph does before every capture, with a synchronize)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        if torch.cuda.mem_get_info()[0] < need:
+            torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        side = side_stream(torch.cuda.current_device())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                run()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        return graph.replay
+
+    def pool_bytes(self) -> int:
+        return 0 if self.pool is None else pool_bytes(self.pool) or 0
+
+    def reset(self) -> None:
+        self.pool = None  # freed with the last graph that uses it
+
+
+class Chain:
+    """The static tensors of one call signature: the inputs other than the hidden states
+    (`inputs`), and two pairs of hidden-state buffers (`states`)."""
+
+    def __init__(self, kwargs: dict):
+        self.inputs = {k: torch.empty_like(v) for k, v in kwargs.items()
+                       if isinstance(v, torch.Tensor) and k not in STATES}  # fmt: skip
+        self.states = [{k: torch.empty_like(kwargs[k]) for k in STATES} for _ in range(2)]
+        self.graphs: dict[Hashable, Callable[[], None]] = {}
+
+    def nbytes(self) -> int:
+        tensors = [*self.inputs.values(), *(t for pair in self.states for t in pair.values())]
+        return sum(t.nbytes for t in tensors)
+
+    def load(self, i: int, kwargs: dict) -> dict:
+        """Block i's arguments with every tensor in its static buffer (copied there unless it
+        is that buffer: the previous block's output)."""
+        static = dict(kwargs)
+        for k, t in (*self.inputs.items(), *self.states[i % 2].items()):
+            if kwargs[k] is not t:
+                t.copy_(kwargs[k])
+            static[k] = t
+        return static
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def signature(kwargs: dict) -> tuple | None:
+    """The call signature of a block's keyword arguments, transformer_options aside; None
+    where one cannot be captured (a tensor off the GPU, an argument that is neither a tensor
+    nor a plain value)."""
+    sig = []
+    for k, v in sorted(kwargs.items()):
+        if k == "transformer_options":
+            continue
+        if isinstance(v, torch.Tensor):
+            sig.append((k, tuple(v.shape), v.stride(), v.dtype, v.device))
+        elif v is None or type(v) in (bool, int, float, str):
+            sig.append((k, v))
+        else:
+            return None
+    return tuple(sig)
+
+
+class BlockGraphs:
+    """The block graphs of one model (`model`, ComfyUI's BaseModel: what `memory` holds them
+    under) whose transformer blocks are `blocks`.
+
+    `call_key()`: the Python state of the whole call that its blocks' computation depends on
+    (buffers are per call key, so each call in lockstep needs its own). `block_key(i,
+    kwargs)`: block i's, or None where its call cannot be replayed."""
+
+    def __init__(self, model, blocks, call_key: Callable[[], Hashable],
+                 block_key: Callable[[int, dict], Hashable | None], backend=None):  # fmt: skip
+        self.model = weakref.ref(model)
+        self.blocks = list(blocks)
+        self.params = [[(m, tuple(m.parameters(recurse=False))) for m in b.modules()
+                        if next(m.parameters(recurse=False), None) is not None]
+                       for b in self.blocks]  # fmt: skip
+        self.call_key = call_key
+        self.block_key = block_key
+        self.backend = backend or CudaBlockCapture()
+        self.chains: OrderedDict[Hashable, Chain] = OrderedDict()
+        self.seen: set[Hashable] = set()  # graph keys run eagerly once
+        self.failed: set[Hashable] = set()
+        self.out_of_memory = False
+        self._pool_bytes: int | None = 0
+        self.replays = 0  # for tests and the log
+
+    # memory.Holder
+    def held_bytes(self) -> int:
+        if self._pool_bytes is None:
+            self._pool_bytes = self.backend.pool_bytes()
+        return self._pool_bytes + sum(c.nbytes() for c in self.chains.values())
+
+    def drop(self) -> None:
+        self.chains.clear()
+        self.backend.reset()
+        self._pool_bytes = 0
+
+    def clear(self) -> None:
+        self.drop()
+        self.seen.clear()
+        self.failed.clear()
+        self.out_of_memory = False
+
+    def _weights(self, i: int, device: torch.device) -> tuple | None:
+        """Block i's weights' data pointers; None where a layer's weights are not all on
+        `device` as they are (offloaded, staged by the streamer, or patched per call)."""
+        ptrs = []
+        for m, params in self.params[i]:
+            if (
+                "prev_comfy_cast_weights" in m.__dict__  # ComfyUI's partial load left it
+                or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
+                or m.__dict__.get("staged") is not None
+            ):  # fmt: skip
+                return None
+            for p in params:
+                if p.device != device:
+                    return None
+                ptrs.append(p.data_ptr())
+        return tuple(ptrs)
+
+    def _key(self, i: int, kwargs: dict) -> tuple | None:
+        """(chain key, graph key) of block i's call, or None where it runs eagerly."""
+        x = kwargs.get("hidden_states")
+        block = self.blocks[i]
+        if (
+            _off.get() or self.out_of_memory or not isinstance(x, torch.Tensor)
+            or not self.backend.supports(x) or capturing_call()
+            or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            or torch.compiler.is_compiling()
+            or block._forward_hooks or block._forward_pre_hooks
+        ):  # fmt: skip
+            return None
+        options = kwargs.get("transformer_options") or {}
+        if foreign_code(options, "diffusion_model", []) is not None:
+            return None
+        sig = signature(kwargs)
+        weights = self._weights(i, x.device) if sig is not None else None
+        state = self.block_key(i, kwargs) if weights is not None else None
+        if state is None:
+            return None
+        chain = (sig, torch.is_inference_mode_enabled(), self.call_key())
+        override = options.get("optimized_attention_override")
+        return chain, (i, weights, override, state)
+
+    def forward(self, i: int, inner: Callable) -> Callable:
+        """Block i's forward (`inner`) replayed from its graph where it can be (called with
+        keyword arguments, the hidden states maybe first)."""
+
+        def forward(*args, **kwargs):
+            if len(args) == 1 and "hidden_states" not in kwargs:  # as the streamer passes it
+                args, kwargs = (), {"hidden_states": args[0], **kwargs}
+            key = None if args else self._key(i, kwargs)
+            if key is not None:
+                why = None
+                try:
+                    out = self._replay(i, inner, kwargs, *key)
+                except Exception as e:
+                    if not host.is_oom(e):
+                        raise
+                    out, why = None, first_line(e)
+                if why is not None:
+                    self._out_of_memory(why)  # outside the handler: its frames are gone
+                if out is not None:
+                    return out
+            return self._eager(inner, args, kwargs)
+
+        forward.__wrapped__ = inner  # for inspect.unwrap: what this block runs
+        return forward
+
+    def _eager(self, inner: Callable, args, kwargs):
+        """inner(*args, **kwargs); where it runs out of memory while block graphs hold memory,
+        those go and it runs again."""
+        try:
+            return inner(*args, **kwargs)
+        except Exception as e:
+            if not host.is_oom(e) or not self.chains:
+                raise
+            why = first_line(e)
+        self._out_of_memory(why)  # outside the handler: the failed call's frames are gone
+        return inner(*args, **kwargs)
+
+    def _out_of_memory(self, why: str) -> None:
+        self.drop()
+        self.out_of_memory = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning("Block graphs: out of memory (%s); dropped, and every block of this model "
+                    "runs eagerly until it is unloaded", why)  # fmt: skip
+
+    def _replay(self, i: int, inner: Callable, kwargs: dict, chain_key, graph_key):
+        """Block i's output from its graph (captured first where this key ran eagerly before);
+        None where it runs eagerly."""
+        full = (chain_key, graph_key)
+        chain = self.chains.get(chain_key)
+        replay = chain.graphs.get(graph_key) if chain is not None else None
+        if replay is None:
+            if full not in self.seen:
+                self.seen.add(full)
+                return None
+            if full in self.failed:
+                return None
+            if chain is None:
+                if not self._room(kwargs):
+                    return None
+                chain = self.chains[chain_key] = Chain(kwargs)
+                while len(self.chains) > MAX_CHAINS:
+                    self.chains.popitem(last=False)
+            replay = self._capture(i, inner, chain, kwargs, full)
+            if replay is None:
+                return None
+            chain.graphs[graph_key] = replay
+        self.chains.move_to_end(chain_key)
+        chain.load(i, kwargs)
+        replay()
+        self.replays += 1
+        out = chain.states[(i + 1) % 2]
+        return out["encoder_hidden_states"], out["hidden_states"]
+
+    def _room(self, kwargs: dict) -> bool:
+        """Whether a new chain's buffers and captures leave room for the blocks that run
+        eagerly beside the graphs' pool (their activations need as much again)."""
+        x = kwargs["hidden_states"]
+        if not x.is_cuda:
+            return True
+        pool = self.held_bytes() - sum(c.nbytes() for c in self.chains.values())
+        need = max(pool, PEAK_PER_STATE * x.nbytes) * 2 + 4 * x.nbytes
+        if memory.room(x.device) >= need:
+            return True
+        log_once(log, logging.INFO, "Block graphs: too little free memory to capture; blocks "
+                 "run eagerly")  # fmt: skip
+        return False
+
+    def _capture(self, i: int, inner: Callable, chain: Chain, kwargs: dict, full):
+        """Block i's graph reading chain's pair i % 2 and writing pair (i + 1) % 2; None where
+        the capture fails (logged once)."""
+        static = chain.load(i, kwargs)
+        out = chain.states[(i + 1) % 2]
+
+        def run():
+            txt, img = inner(**static)
+            out["encoder_hidden_states"].copy_(txt)
+            out["hidden_states"].copy_(img)
+
+        try:
+            replay = self.backend.capture(run, PEAK_PER_STATE * kwargs["hidden_states"].nbytes)
+        except Exception as e:
+            if host.is_oom(e):
+                raise
+            self.failed.add(full)
+            log_once(log, logging.WARNING, f"Block graphs: capture failed ({type(e).__name__}: "
+                     f"{e}); that block runs eagerly")  # fmt: skip
+            return None
+        self._pool_bytes = None
+        model = self.model()
+        if model is not None:
+            memory.register(model, self, "blocks")
+        log_once(log, logging.INFO, "Block graphs: blocks of uncaptured calls replayed from "
+                 "CUDA graphs")  # fmt: skip
+        return replay
