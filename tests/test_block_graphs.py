@@ -185,13 +185,14 @@ def test_dropped_graphs_are_captured_again(pair):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("loaded", ["whole", "half"])
-def test_block_graphs_full_width_on_gpu(loaded):
+def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     """Six full-width blocks, fp8_fast with fp8_cudnn attention, 1328², the whole model on the
     GPU or half of it (the rest streamed): new inputs each call, and texts of 256 and 31
     tokens in lockstep, give the eager blocks' bits."""
     from qwen_turbo.cli import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
+    monkeypatch.setattr(loader.mm, "get_torch_device", lambda: torch.device("cuda"))
     plain, _ = _model(sd, graphs=False)
     patcher, graphs = _model(sd)
     for p in (plain, patcher):
