@@ -194,7 +194,7 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
     monkeypatch.setattr(loader.mm, "get_torch_device", lambda: torch.device("cuda"))
     plain, _ = _model(sd, graphs=False)
-    patcher, graphs = _model(sd)
+    patcher, graphs = _model(sd, backend=blocks.CudaBlockCapture())
     for p in (plain, patcher):
         loader.set_attention(p, "fp8_cudnn")
     half = patcher.model_size() // 2 if loaded == "half" else 0
