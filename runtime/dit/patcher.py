@@ -3,9 +3,7 @@ from a file mapping put back there on unload, cached CUDA graphs dropped first w
 asks for room; and the loader's record on the model (`LoaderState`)."""
 
 import collections
-import functools
 import logging
-import re
 from dataclasses import dataclass, field
 
 import comfy.cli_args
@@ -49,59 +47,6 @@ class LoaderState:
     safe_blocks: set[int] = field(default_factory=set)
     fidelity: str | None = None
     streamer: streaming.BlockStreamer | None = None  # where the fp8 layers stream
-
-
-BLOCK = re.compile(r"\.transformer_blocks\.(\d+)\.")
-
-
-def spread(n: int) -> list[int]:
-    """0..n-1 in an order whose every prefix is spread over the range (bit-reversed counting:
-    0, n/2, n/4, 3n/4, ...): where a partial load keeps the first k blocks of it, streamed
-    and resident blocks alternate, and each streamed block's copy overlaps the compute of a
-    resident one before it."""
-    bits = max(1, (n - 1).bit_length())
-    return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
-
-
-@functools.total_ordering
-class Ranked(int):
-    """A module's size, as ComfyUI's load adds it up, that sorts by `rank` first."""
-
-    def __new__(cls, size: int, rank: tuple):
-        new = super().__new__(cls, size)
-        new.rank = rank
-        return new
-
-    def _key(self) -> tuple:
-        return self.rank, int(self)
-
-    def __eq__(self, other):
-        return isinstance(other, Ranked) and self._key() == other._key()
-
-    def __lt__(self, other):
-        return self._key() < (other._key() if isinstance(other, Ranked) else ((), int(other)))
-
-    __hash__ = int.__hash__
-
-
-def whole_blocks_first(loading: list) -> list:
-    """ComfyUI's load list (tuples, a module's size first, sorted largest first to load and
-    smallest first to unload) ranked so that a partial load keeps whole transformer blocks on
-    the GPU, in `spread` order, after the modules outside them: ComfyUI's own order takes
-    the largest layers of every block first, leaving no block whole, so every block would
-    stream and run eagerly (`graphs.blocks` replays only blocks whose weights are all on the
-    GPU). Unchanged where the list is not as this host's was when written."""
-    if not all(isinstance(x, tuple) and type(x[0]) is int for x in loading):
-        return loading
-    names = [next((v for v in x[1:] if isinstance(v, str)), "") for x in loading]
-    found = [BLOCK.search(n) for n in names]
-    n = 1 + max((int(f.group(1)) for f in found if f), default=-1)
-    place = {b: k for k, b in enumerate(spread(n))}
-    ranked = []
-    for x, f in zip(loading, found, strict=True):
-        rank = (0, -place[int(f.group(1))]) if f else (1, 0)
-        ranked.append((Ranked(x[0], rank), *x[1:]))
-    return ranked
 
 
 class Patcher(comfy.model_patcher.ModelPatcher):
@@ -155,14 +100,6 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         if asked:
             log_once(log, logging.INFO, "Optimized Loader: host RAM is short; the file "
                      "cache of weights on the GPU or copied goes back to the OS")  # fmt: skip
-
-    def _load_list(self, *args, **kwargs):
-        """ComfyUI's list of the modules to load, whole blocks first (`whole_blocks_first`);
-        a dynamic load's (v0.33's on-demand loading, other criteria) as it is."""
-        loading = super()._load_list(*args, **kwargs)
-        if args or kwargs.get("for_dynamic"):
-            return loading
-        return whole_blocks_first(loading)
 
     def model_size(self):
         """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is not on
