@@ -184,11 +184,12 @@ def test_dropped_graphs_are_captured_again(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("loaded", ["whole", "half"])
+@pytest.mark.parametrize("loaded", ["whole", "most"])
 def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     """Six full-width blocks, fp8_fast with fp8_cudnn attention, 1328², the whole model on the
-    GPU or half of it (the rest streamed): new inputs each call, and texts of 256 and 31
-    tokens in lockstep, give the eager blocks' bits."""
+    GPU or 85% of it (some blocks whole, the others streaming part of their layers): new
+    inputs each call, and texts of 256 and 31 tokens in lockstep, give the eager blocks'
+    bits."""
     from qwen_turbo.cli import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
@@ -197,9 +198,9 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     patcher, graphs = _model(sd, backend=blocks.CudaBlockCapture())
     for p in (plain, patcher):
         loader.set_attention(p, "fp8_cudnn")
-    half = patcher.model_size() // 2 if loaded == "half" else 0
+    part = int(0.85 * patcher.model_size()) if loaded == "most" else 0
     size = (166, 166)
-    with _patched(plain, patcher, loaded=half):
+    with _patched(plain, patcher, loaded=part):
         for seed in range(3):
             inputs = _inputs(plain, seed, tokens=256, size=size)
             assert torch.equal(_call(patcher, inputs), _call(plain, inputs))
@@ -209,11 +210,8 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
         for _ in range(3):
             got = streamer.in_lockstep([lambda i=i: _call(patcher, i) for i in pair])
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        resident = sum(graphs._weights(i, torch.device("cuda")) is not None for i in range(6))
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        resident = sum(graphs._weights(i, cuda) is not None for i in range(6))
         assert (resident == 6) == (loaded == "whole")
         assert graphs.replays == resident * (2 + 2 * 2)
-        times = {}
-        for name, p in (("eager", plain), ("block graphs", patcher)):
-            times[name] = bench.timed(lambda p=p: _call(p, pair[0]), 5)[0]
-    print(f"{loaded} ({resident} of 6 blocks resident): "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))  # fmt: skip
+    print(f"{loaded}: {resident} of 6 blocks resident")
