@@ -7,5 +7,7 @@ shape, and replay it.
 - `inputs`: how a call's arguments become a graph's static inputs and its key.
 - `policy`: what may be captured: a replay skips the Python inside the captured region.
 - `cache`: the graphs of a model and their counters, held through `runtime.memory`.
+- `blocks`: in calls no runner captures, each transformer block replayed from a graph of its
+  own (the Optimized Loader installs it).
 - `capture`: the CUDA backend.
 """
