@@ -6,13 +6,16 @@ their torch references here (a Triton launch is no op the recorder sees)."""
 
 import contextlib
 
+import comfy.sd
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qwen_turbo.runtime import memory
 from qwen_turbo.runtime.dit import config, fp8, loader, probe
 from qwen_turbo.runtime.dit.attention import OVERRIDE
 from qwen_turbo.runtime.graphs import blocks
+from tests.harness import models
 from tests.harness.graphs import Recorder
 
 
@@ -215,3 +218,25 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
         assert (resident == 6) == (loaded == "whole")
         assert graphs.replays == resident * (2 + 2 * 2)
     print(f"{loaded}: {resident} of 6 blocks resident")
+
+
+def test_a_lora_switched_on_replays_its_own_weights(narrow_sd):
+    """The graphs stay across ComfyUI's unpatch and a LoRA's patch of the same model: each
+    block's key reads its weights as they are at the call, so the LoRA's new weights get
+    graphs of their own."""
+    lora = load_file(str(models.narrow_lora_file()))
+    plain, _ = _model(narrow_sd, graphs=False)
+    patcher, graphs = _model(narrow_sd)
+    plain_lora = comfy.sd.load_lora_for_models(plain, None, lora, 1.0, 0)[0]
+    with_lora = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)[0]
+    with torch.inference_mode():
+        for runs in ((plain, patcher), (plain_lora, with_lora), (plain, patcher)):
+            for p in runs:
+                p.patch_model(p.load_device)
+            for seed in range(3):
+                inputs = _inputs(plain, seed)
+                assert torch.equal(_call(runs[1], inputs), _call(runs[0], inputs))
+            for p in runs:
+                p.unpatch_model(p.offload_device)
+    assert graphs.replays > 0
+    memory.release(patcher.model)

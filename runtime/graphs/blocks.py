@@ -125,8 +125,7 @@ def first_line(e: BaseException) -> str:
 
 def signature(kwargs: dict) -> tuple | None:
     """The call signature of a block's keyword arguments, transformer_options aside; None
-    where one cannot be captured (a tensor off the GPU, an argument that is neither a tensor
-    nor a plain value)."""
+    where one cannot be captured (an argument that is neither a tensor nor a plain value)."""
     sig = []
     for k, v in sorted(kwargs.items()):
         if k == "transformer_options":
@@ -152,9 +151,9 @@ class BlockGraphs:
                  block_key: Callable[[int, dict], Hashable | None], backend=None):  # fmt: skip
         self.model = weakref.ref(model)
         self.blocks = list(blocks)
-        self.params = [[(m, tuple(m.parameters(recurse=False))) for m in b.modules()
-                        if next(m.parameters(recurse=False), None) is not None]
-                       for b in self.blocks]  # fmt: skip
+        # the modules holding parameters; read live at each call, as a load or a LoRA swaps
+        # the tensors
+        self.layers = [[m for m in b.modules() if m._parameters] for b in self.blocks]
         self.call_key = call_key
         self.block_key = block_key
         self.backend = backend or CudaBlockCapture()
@@ -163,7 +162,7 @@ class BlockGraphs:
         self.failed: set[Hashable] = set()
         self.out_of_memory = False
         self._pool_bytes: int | None = 0
-        self.replays = 0  # for tests and the log
+        self.replays = 0  # for tests
 
     # memory.Holder
     def held_bytes(self) -> int:
@@ -186,14 +185,16 @@ class BlockGraphs:
         """Block i's weights' data pointers; None where a layer's weights are not all on
         `device` as they are (offloaded, staged by the streamer, or patched per call)."""
         ptrs = []
-        for m, params in self.params[i]:
+        for m in self.layers[i]:
             if (
                 "prev_comfy_cast_weights" in m.__dict__  # ComfyUI's partial load left it
                 or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
                 or m.__dict__.get("staged") is not None
             ):  # fmt: skip
                 return None
-            for p in params:
+            for p in m._parameters.values():
+                if p is None:
+                    continue
                 if p.device != device:
                     return None
                 ptrs.append(p.data_ptr())
