@@ -37,8 +37,9 @@ from .policy import foreign_code
 log = logging.getLogger(__name__)
 STATES = ("hidden_states", "encoder_hidden_states")  # handed from block to block
 MAX_CHAINS = 4  # call signatures kept, least recently used out
-# A block's activations at their peak, as a multiple of its image tokens' bytes (fused fp8
-# block at 1328², about 0.6 GB against 44 MB): room asked before the first capture.
+# A block's activations at their peak, as a multiple of its image tokens' bytes: an estimate
+# from the fused block's tensor shapes (q, k, v, the MLP's hidden activation), not a
+# measurement; room asked before a new chain's first capture.
 PEAK_PER_STATE = 16
 
 _off = contextvars.ContextVar("qwen_turbo_block_graphs_off", default=False)
@@ -287,12 +288,13 @@ class BlockGraphs:
                 chain = self.chains[chain_key] = Chain(kwargs)
                 while len(self.chains) > MAX_CHAINS:
                     self.chains.popitem(last=False)
-            replay = self._capture(i, inner, chain, kwargs, full)
+            replay = self._capture(i, inner, chain, kwargs, full)  # loads this call's inputs
             if replay is None:
                 return None
             chain.graphs[graph_key] = replay
+        else:
+            chain.load(i, kwargs)
         self.chains.move_to_end(chain_key)
-        chain.load(i, kwargs)
         replay()
         self.replays += 1
         out = chain.states[(i + 1) % 2]
