@@ -3,7 +3,8 @@
 ComfyUI's memory manager tracks the models it loads, not what the pack keeps beside them:
 the captured CUDA graphs' memory pools (a cache per model, `graphs.cache.cache_for`, and the
 block graphs of uncaptured calls, `graphs.blocks`), which ComfyUI counts as free (torch's
-reserved, unused memory) but cannot drop. Each such holder registers here under its model,
+reserved, unused memory) but cannot drop, and the weight streamer's slabs (`dit.streaming`),
+which it counts as used but cannot drop either. Each such holder registers here under its model,
 and every feature that needs room goes through here: the Optimized Loader's patcher when
 ComfyUI asks a model for room (`drop`), VAE Tiling before a decode (`held_bytes`,
 `release_all`), the CUDA Graph Sampler after a run (`trim`), after an out-of-memory error
@@ -21,7 +22,7 @@ import torch
 
 class Holder(Protocol):
     def held_bytes(self) -> int:
-        """The VRAM it holds."""
+        """The VRAM it holds that ComfyUI counts as free."""
 
     def drop(self) -> None:
         """Free that VRAM (what it counts stays)."""
@@ -30,7 +31,8 @@ class Holder(Protocol):
         """Free that VRAM and forget everything (the model is unloaded)."""
 
 
-# model -> {kind: holder}: the graph runners' cache ("graphs"), the block graphs ("blocks")
+# model -> {kind: holder}: the graph runners' cache ("graphs"), the block graphs ("blocks"),
+# the weight streamer's slabs ("stream")
 _holders: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Holder]]" = (
     weakref.WeakKeyDictionary()
 )
@@ -74,7 +76,7 @@ def drop(model: torch.nn.Module) -> int:
 
 
 def held_bytes() -> int:
-    """What the pack holds in VRAM beside ComfyUI's models."""
+    """What the pack holds in VRAM beside ComfyUI's models that ComfyUI counts as free."""
     return sum(h.held_bytes() for h in _all())
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from qwen_turbo.runtime import memory
-from qwen_turbo.runtime.dit import config, fp8, loader, probe
+from qwen_turbo.runtime.dit import config, fp8, loader, probe, streaming
 from qwen_turbo.runtime.dit.attention import OVERRIDE
 from qwen_turbo.runtime.graphs import blocks
 from tests.harness import models
@@ -187,12 +187,12 @@ def test_dropped_graphs_are_captured_again(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("loaded", ["whole", "most"])
+@pytest.mark.parametrize("loaded", [1.0, 0.85, 0.45])
 def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     """Six full-width blocks, fp8_fast with fp8_cudnn attention, 1328², the whole model on the
-    GPU or 85% of it (some blocks whole, the others streaming part of their layers): new
-    inputs each call, and texts of 256 and 31 tokens in lockstep, give the eager blocks'
-    bits."""
+    GPU or part of it (the other layers streamed into the streamer's slabs): new inputs each
+    call, and texts of 256 and 31 tokens in lockstep, give the eager blocks' bits, and every
+    block whose layers other than the fp8 Linears are on the GPU replays."""
     from qwen_turbo.cli import bench
 
     sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
@@ -201,7 +201,7 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
     patcher, graphs = _model(sd, backend=blocks.CudaBlockCapture())
     for p in (plain, patcher):
         loader.set_attention(p, "fp8_cudnn")
-    part = int(0.85 * patcher.model_size()) if loaded == "most" else 0
+    part = 0 if loaded == 1.0 else int(loaded * patcher.model_size())
     size = (166, 166)
     with _patched(plain, patcher, loaded=part):
         for seed in range(3):
@@ -213,11 +213,13 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
         for _ in range(3):
             got = streamer.in_lockstep([lambda i=i: _call(patcher, i) for i in pair])
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        cuda = torch.device("cuda", torch.cuda.current_device())
-        resident = sum(graphs._weights(i, cuda) is not None for i in range(6))
-        assert (resident == 6) == (loaded == "whole")
-        assert graphs.replays == resident * (2 + 2 * 2)
-    print(f"{loaded}: {resident} of 6 blocks resident")
+        streamed = sum(any(streaming.offloaded(m) for m in b) for b in streamer.layers)
+        others = [[p for m in b.modules() if not hasattr(m, "device_tensors")
+                   for p in m.parameters(recurse=False)] for b in graphs.blocks]  # fmt: skip
+        capturable = sum(all(p.is_cuda for p in ps) for ps in others)
+        assert (streamed == 0) == (loaded == 1.0) and capturable
+        assert graphs.replays == capturable * (2 + 2 * 2)
+    print(f"{loaded}: {streamed} of 6 blocks streamed, {capturable} replayed")
 
 
 def test_a_lora_switched_on_replays_its_own_weights(narrow_sd):
@@ -240,3 +242,25 @@ def test_a_lora_switched_on_replays_its_own_weights(narrow_sd):
                 p.unpatch_model(p.offload_device)
     assert graphs.replays > 0
     memory.release(patcher.model)
+
+
+@pytest.mark.parametrize("share", [0.3, 0.6])
+def test_blocks_streaming_their_weights_replay(narrow_sd, share):
+    """A partly loaded model: blocks whose offloaded layers take the streamer's copies are
+    captured too (the copies lie at the same addresses at every call, in the streamer's
+    slabs) and give the eager blocks' bits for new inputs. With less loaded, ComfyUI's own
+    copies take the norms' gains: those blocks run eagerly."""
+    plain, _ = _model(narrow_sd, graphs=False)
+    patcher, graphs = _model(narrow_sd)
+    streamer = patcher.model.qwen_turbo.streamer
+    n = len(graphs.blocks)
+    with _patched(plain, patcher, loaded=int(share * patcher.model_size())):
+        for seed in range(4):
+            inputs = _inputs(plain, seed)
+            assert torch.equal(_call(patcher, inputs), _call(plain, inputs))
+        assert streamer.copies == 4 * n  # every block streams some of its layers
+        assert graphs.backend.captures == (n if share > 0.5 else 0)
+        assert graphs.replays == 3 * graphs.backend.captures  # a capture replays
+        assert streamer.slabs
+        memory.drop(patcher.model)  # ComfyUI asking the model for room
+        assert not streamer.slabs

@@ -105,7 +105,7 @@ def test_no_room_leaves_comfyui_copies(narrow_sd, monkeypatch, short):
         monkeypatch.setattr(streaming, "room", lambda device: 0)
     else:
         monkeypatch.setattr(streaming, "room", lambda device: 2**40)
-        monkeypatch.setattr(streaming, "to_device", _out_of_memory)
+        monkeypatch.setattr(streaming, "new_slab", _out_of_memory)
     assert torch.equal(_partly_loaded_forward(streamed)[0], _partly_loaded_forward(plain)[0])
     assert streamer.copies == 0 and streamer.no_room == len(streamer.layers)
 

@@ -114,6 +114,21 @@ class Fp8Linear(comfy.ops.manual_cast.Linear):
             self._scale_key = key
         return self._scale_value
 
+    def device_tensors(self, device) -> tuple[torch.Tensor, ...] | None:
+        """The tensors a call on `device` reads (weight, bias and scale: the staged copies
+        where the layer is offloaded), or None where a call would copy or patch a weight
+        itself (a CUDA graph of the call could not replay it)."""
+        if self.weight_function or self.bias_function:
+            return None
+        if "prev_comfy_cast_weights" in self.__dict__:  # offloaded: the streamer's copies
+            if self.staged is None or self.staged[2] is not None:
+                return None
+            weight, bias = self.staged[:2]
+        else:
+            weight, bias = self.weight, self.bias
+        tensors = (weight, self._scale(device)) + (() if bias is None else (bias,))
+        return tensors if all(t.device == device for t in tensors) else None
+
     def _patched(self, x, dtype=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight (in `dtype`, x's by default) and bias (x's dtype) on x's device with
         ComfyUI's lowvram LoRA patches (`weight_function`, set on layers left on the host)

@@ -164,7 +164,8 @@ BLOCK_ARGS = {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_m
 
 def add_block_graphs(patcher, backend=None) -> block_graphs.BlockGraphs:
     """Object patches: each fused block replays a CUDA graph of itself in model calls that run
-    eagerly, while its weights are all on the GPU (`graphs.blocks`)."""
+    eagerly, while its weights are on the GPU or staged there by the streamer
+    (`graphs.blocks`)."""
     base = patcher.model
     layers = base.diffusion_model.transformer_blocks
     state = base.qwen_turbo
@@ -195,7 +196,7 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
     fp8 weights ahead (`streaming`), where ComfyUI's partial load leaves some on the
     host."""
     layers = patcher.model.diffusion_model.transformer_blocks
-    streamer = streaming.BlockStreamer(layers)
+    streamer = streaming.BlockStreamer(layers, patcher.model)
     for i, block in enumerate(layers):
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
         inner = patcher.object_patches.get(key, block.forward)

@@ -11,8 +11,12 @@ up to its limit and not always) are used as they are; others (v0.3.64, and the L
 everywhere) are page-locked where they lie (cudaHostRegister, as v0.33 pins: no copy, no second
 buffer), or where that fails get a pinned copy. Either is kept while the tensor stays the same.
 
-Where the next block's copy would not fit in free memory, or runs out of it, that block's
-layers take ComfyUI's own per-layer copies: slower, never a failure.
+The copies land in two slabs, block i's in slab i % 2 at the same offsets at every call, so
+a block's staged weights keep their addresses from call to call and a CUDA graph of the block
+can replay (`graphs.blocks`). The slabs stay between calls; `runtime.memory` holds them under
+the model ("stream"), so ComfyUI's requests for room free them. Where a slab would not fit in
+free memory, or runs out of it, that block's layers take ComfyUI's own per-layer copies:
+slower, never a failure.
 
 Calls run in lockstep (`BlockStreamer.in_lockstep`: cond and uncond where ComfyUI cannot batch
 them) take turns at each block, so each block's copies cross once for all of them.
@@ -27,13 +31,14 @@ import copy
 import ctypes
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .. import log_once
+from .. import log_once, memory
 from ..memory import room
 
 log = logging.getLogger(__name__)
@@ -75,6 +80,17 @@ def offloaded(module: torch.nn.Module) -> bool:
     sets and deletes this plain attribute; read from the instance's dict, as a miss through
     nn.Module's __getattr__ costs an exception)."""
     return "prev_comfy_cast_weights" in module.__dict__
+
+
+def new_slab(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+SLAB_ALIGN = 512  # each staged tensor's offset in a slab (any dtype's alignment, and more)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
 
 
 REGISTER_MIN = 1 << 20  # smaller tensors may share pages with others: pinned copies
@@ -196,13 +212,15 @@ class BlockStreamer:
     model calls.
     """
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, owner=None):
+        self.owner = None if owner is None else weakref.ref(owner)  # memory holds slabs under it
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
         self.page_lock = True  # page-lock pageable sources; off once pinning fails
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
         # block -> (its staged weights, how many calls in lockstep have still to run it)
         self.shared: dict[int, tuple[list, int]] = {}
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.slabs: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, parity)
         self.copies = 0  # blocks staged, for tests and the log
         self.no_room = 0  # blocks left to ComfyUI's copies for want of memory
         # after(i, output, kwargs, call): sees block i's output while its copies are staged;
@@ -243,28 +261,77 @@ class BlockStreamer:
 
     def _stage(self, i: int, device: torch.device) -> tuple[list, list]:
         """([(layer, its weight, (weight, bias, LoRA patches) on `device`)], [(new,
-        source)]) for block i's offloaded layers: the tensors on `device` allocated on the
-        current stream, the copies still to make; ([], []) where they do not fit."""
+        source)]) for block i's offloaded layers: the tensors on `device` not yet written
+        (weights and biases in slab i % 2, the LoRA patches allocated on the current stream),
+        the copies still to make; ([], []) where they do not fit."""
         layers = [m for m in self.layers[i] if offloaded(m)]
         if not layers:
             return [], []
-        size = sum(t.nbytes for m in layers for t in (m.weight, m.bias) if t is not None)
-        if size > room(device):
-            return self._left_to_comfyui()
-        staged, copies = [], []
         try:
+            slab = self._slab(i, device)
+            if slab is None:
+                return self._left_to_comfyui()
+            staged, copies, at = [], [], 0
             for m in layers:
                 old, new = m.__dict__.get("_pinned", {}), {}
 
                 def source(t, old=old, new=new):
                     return self._pinned(t, old, new)
 
-                tensors = tuple(to_device(t, device, copies, source) for t in (m.weight, m.bias))
+                tensors = []
+                for t in (m.weight, m.bias):
+                    if t is not None and t.is_contiguous():
+                        view = slab[at : at + t.nbytes].view(t.dtype).view(t.shape)
+                        copies.append((view, source(t)))
+                        at += aligned(t.nbytes)
+                        t = view
+                    else:
+                        t = to_device(t, device, copies, source)
+                    tensors.append(t)
                 staged.append((m, m.weight, (*tensors, lora_patches(m, device, copies, source))))
                 m._pinned = new
         except torch.OutOfMemoryError:
             return self._left_to_comfyui()
         return staged, copies
+
+    def _block_bytes(self, i: int) -> int:
+        """The bytes block i's offloaded weights and biases take in a slab."""
+        return sum(aligned(t.nbytes) for m in self.layers[i] if offloaded(m)
+                   for t in (m.weight, m.bias) if t is not None)  # fmt: skip
+
+    def _slab(self, i: int, device: torch.device) -> torch.Tensor | None:
+        """Slab i % 2 on `device`: block i's weights lie at the same offsets in it at every
+        call, so a block's staged weights keep their addresses (and a block graph of it its
+        key). Made as large as the largest block of its parity needs; None where that does
+        not fit in free memory."""
+        key = (device, i % 2)
+        need = self._block_bytes(i)
+        slab = self.slabs.get(key)
+        if slab is not None and slab.nbytes >= need:
+            return slab
+        need = max(self._block_bytes(j) for j in range(i % 2, len(self.layers), 2))
+        self.slabs.pop(key, None)
+        if need > room(device):
+            return None
+        self.slabs[key] = slab = new_slab(need, device)
+        if self.owner is not None and self.owner() is not None:
+            memory.register(self.owner(), self, "stream")
+        return slab
+
+    # memory.Holder: the slabs
+    def held_bytes(self) -> int:
+        """0: the slabs are tensors in use, which ComfyUI counts as used already (it asks the
+        model for room, and `drop` frees them first)."""
+        return 0
+
+    def drop(self) -> None:
+        """Free the slabs (made again at the next call that streams); the copies in flight
+        are waited for first, as their memory goes back to the compute stream's pool."""
+        self._drop_ahead()
+        self.shared.clear()
+        self.slabs.clear()
+
+    clear = drop
 
     def _left_to_comfyui(self) -> tuple[list, list]:
         self.no_room += 1

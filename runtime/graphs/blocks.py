@@ -3,10 +3,12 @@
 A model call that no graph runner captures (KSampler on the Optimized Loader's model, a DiT
 partly offloaded, a call the capture policy leaves eager) issues each kernel from Python: at
 1328² a block's host time is about its GPU time on an H100, and at 1024² twice it. Here a
-block whose weights are all on the GPU is captured once per call signature and then replayed
+block whose weights are on the GPU (loaded, or staged there by the weight streamer at the same
+addresses at every call) is captured once per call signature and then replayed
 (`BlockGraphs.forward`, the block's forward as an object patch, inside the weight streamer's):
-its host time is a few copies and one launch. Blocks that stream their weights, and calls with
-Python that a replay would skip, run eagerly.
+its host time is a few copies and one launch. Blocks with a layer that copies or patches its
+weights in the call (ComfyUI's own copies, a LoRA on an offloaded layer), and calls with Python
+that a replay would skip, run eagerly.
 
 Each call signature (the shapes, strides and dtypes of the block's tensor arguments, its other
 arguments, `call_key()`: the lockstep call, the fp8 compute mode) has a `Chain`: static inputs
@@ -37,6 +39,10 @@ from .policy import foreign_code
 log = logging.getLogger(__name__)
 STATES = ("hidden_states", "encoder_hidden_states")  # handed from block to block
 MAX_CHAINS = 4  # call signatures kept, least recently used out
+# a block's graphs kept per chain, oldest out: its weights before and after a LoRA, say (the
+# weights' addresses are in the key, and the streamer's slabs may move when made again)
+GRAPHS_PER_BLOCK = 2
+MAX_SEEN = 4096  # graph keys remembered as run once
 # A block's activations at their peak, as a multiple of its image tokens' bytes: an estimate
 # from the fused block's tensor shapes (q, k, v, the MLP's hidden activation), not a
 # measurement; room asked before a new chain's first capture.
@@ -104,6 +110,14 @@ class Chain:
                        if isinstance(v, torch.Tensor) and k not in STATES}  # fmt: skip
         self.states = [{k: torch.empty_like(kwargs[k]) for k in STATES} for _ in range(2)]
         self.graphs: dict[Hashable, Callable[[], None]] = {}
+
+    def add(self, key: tuple, replay: Callable[[], None]) -> None:
+        """A graph of block key[0]; the oldest of that block's graphs goes past
+        GRAPHS_PER_BLOCK."""
+        same = [k for k in self.graphs if k[0] == key[0]]
+        for k in same[: len(same) + 1 - GRAPHS_PER_BLOCK]:
+            del self.graphs[k]
+        self.graphs[key] = replay
 
     def nbytes(self) -> int:
         tensors = [*self.inputs.values(), *(t for pair in self.states for t in pair.values())]
@@ -183,22 +197,25 @@ class BlockGraphs:
         self.out_of_memory = False
 
     def _weights(self, i: int, device: torch.device) -> tuple | None:
-        """Block i's weights' data pointers; None where a layer's weights are not all on
-        `device` as they are (offloaded, staged by the streamer, or patched per call)."""
+        """The data pointers of what block i's layers read on `device`; None where a layer
+        would copy or patch a weight in the call (offloaded without the streamer's copies,
+        or patched per call). A layer with `device_tensors` (the pack's fp8 Linear) names
+        what it reads: the streamer's copies where it is offloaded."""
         ptrs = []
         for m in self.layers[i]:
-            if (
-                "prev_comfy_cast_weights" in m.__dict__  # ComfyUI's partial load left it
-                or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
-                or m.__dict__.get("staged") is not None
-            ):  # fmt: skip
-                return None
-            for p in m._parameters.values():
-                if p is None:
-                    continue
-                if p.device != device:
+            if hasattr(m, "device_tensors"):
+                tensors = m.device_tensors(device)
+                if tensors is None:
                     return None
-                ptrs.append(p.data_ptr())
+            else:
+                tensors = [p for p in m._parameters.values() if p is not None]
+                if tensors and (
+                    "prev_comfy_cast_weights" in m.__dict__  # ComfyUI's partial load left it
+                    or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
+                    or any(p.device != device for p in tensors)
+                ):  # fmt: skip
+                    return None
+            ptrs.extend(t.data_ptr() for t in tensors)
         return tuple(ptrs)
 
     def _key(self, i: int, kwargs: dict) -> tuple | None:
@@ -278,6 +295,8 @@ class BlockGraphs:
         replay = chain.graphs.get(graph_key) if chain is not None else None
         if replay is None:
             if full not in self.seen:
+                if len(self.seen) >= MAX_SEEN:  # keys of weights long gone
+                    self.seen.clear()
                 self.seen.add(full)
                 return None
             if full in self.failed:
@@ -291,7 +310,7 @@ class BlockGraphs:
             replay = self._capture(i, inner, chain, kwargs, full)  # loads this call's inputs
             if replay is None:
                 return None
-            chain.graphs[graph_key] = replay
+            chain.add(graph_key, replay)
         else:
             chain.load(i, kwargs)
         self.chains.move_to_end(chain_key)
