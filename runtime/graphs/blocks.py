@@ -178,6 +178,7 @@ class BlockGraphs:
         self.out_of_memory = False
         self._pool_bytes: int | None = 0
         self.replays = 0  # for tests
+        self.told_room = False  # logged once that a capture had no room
 
     # memory.Holder
     def held_bytes(self) -> int:
@@ -320,17 +321,27 @@ class BlockGraphs:
         return out["encoder_hidden_states"], out["hidden_states"]
 
     def _room(self, kwargs: dict) -> bool:
-        """Whether a new chain's buffers and captures leave room for the blocks that run
-        eagerly beside the graphs' pool (their activations need as much again)."""
+        """Whether a new chain's buffers, and the pool's growth to a block's peak, fit in the
+        memory a new allocation can take. That counts what the allocator caches from the
+        eager calls before, whose activations the graphs take over (a capture frees the cache
+        where the driver is short); a block left eager that then runs out of memory drops the
+        graphs (`_eager`)."""
         x = kwargs["hidden_states"]
         if not x.is_cuda:
             return True
-        pool = self.held_bytes() - sum(c.nbytes() for c in self.chains.values())
-        need = max(pool, PEAK_PER_STATE * x.nbytes) * 2 + 4 * x.nbytes
-        if memory.room(x.device) >= need:
+        chains = sum(c.nbytes() for c in self.chains.values())
+        pool = self.held_bytes() - chains
+        states = sum(kwargs[k].nbytes for k in STATES)
+        chain = 4 * states + sum(v.nbytes for k, v in kwargs.items()
+                                 if isinstance(v, torch.Tensor) and k not in STATES)  # fmt: skip
+        need = max(0, PEAK_PER_STATE * x.nbytes - pool) + chain
+        free = memory.room(x.device)
+        if free >= need:
             return True
-        log_once(log, logging.INFO, "Block graphs: too little free memory to capture; blocks "
-                 "run eagerly")  # fmt: skip
+        if not self.told_room:
+            self.told_room = True
+            log.info("Block graphs: too little free memory to capture (%.2f GiB needed, %.2f "
+                     "free); blocks run eagerly", need / 2**30, free / 2**30)  # fmt: skip
         return False
 
     def _capture(self, i: int, inner: Callable, chain: Chain, kwargs: dict, full):
