@@ -219,11 +219,9 @@ def test_block_graphs_full_width_on_gpu(loaded, monkeypatch):
         capturable = sum(all(p.is_cuda for p in ps) for ps in others)
         assert (streamed == 0) == (loaded == 1.0) and capturable
         assert graphs.replays == capturable * (2 + 2 * 2)
-    pool = graphs.backend.pool_bytes() / (83 * 83 * 3072 * 2)  # bf16 hidden states
-    print(
-        f"{loaded}: {streamed} of 6 blocks streamed, {capturable} replayed; pool {pool:.1f}x "
-        f"the image tokens' bytes"
-    )
+        pool = graphs.backend.pool_bytes() / (83 * 83 * 3072 * 2)  # bf16 hidden states
+    print(f"{loaded}: {streamed} of 6 blocks streamed, {capturable} replayed; pool {pool:.1f}x "
+          "the image tokens' bytes")  # fmt: skip
 
 
 def test_a_lora_switched_on_replays_its_own_weights(narrow_sd):

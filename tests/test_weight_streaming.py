@@ -30,7 +30,7 @@ from qwen_turbo.kernels.fp8_linear import FP8
 from qwen_turbo.runtime import memory
 from qwen_turbo.runtime.dit import config, loader, lockstep, streaming
 from qwen_turbo.runtime.dit.patcher import HostCopies, LoaderState
-from qwen_turbo.runtime.graphs import sampling
+from qwen_turbo.runtime.graphs import blocks, sampling
 from tests.harness import models
 
 
@@ -585,6 +585,12 @@ def test_the_load_leaves_room_for_the_second_call(narrow_sd, monkeypatch, case):
     monkeypatch.setattr(lockstep.batch_fit, "freeable", lambda device: left + 8 * 2**30)
     want = int(lockstep.ROOM_SHARE * one) if case == "partly loads" else 0
     assert one > 0 and lockstep.lockstep_room(both, latent.shape, conds) == want
+    if case == "partly loads":  # with block graphs, their pool and both calls' chains too
+        graphs = loader.add_block_graphs(both)
+        x = 32 * 32 * graphs.blocks[0].dim * 2  # 2x2 patches of the latent, bf16
+        txt = 8 * graphs.blocks[0].dim * 2  # the longer text
+        want += blocks.PEAK_PER_STATE * x + 2 * blocks.CHAIN_PER_STATES * (x + txt)
+        assert lockstep.lockstep_room(both, latent.shape, conds) == want
     holds = []
 
     @contextlib.contextmanager

@@ -184,7 +184,9 @@ def add_block_graphs(patcher, backend=None) -> block_graphs.BlockGraphs:
             return None
         return i in state.safe_blocks
 
-    graphs = block_graphs.BlockGraphs(base, layers, call_key, block_key, backend)
+    graphs = state.block_graphs = block_graphs.BlockGraphs(
+        base, layers, call_key, block_key, backend
+    )
     for i in range(len(layers)):
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
         patcher.add_object_patch(key, graphs.forward(i, patcher.object_patches[key]))

@@ -40,9 +40,10 @@ def add(patcher) -> None:
 
 def lockstep_room(model, noise_shape, conds: dict) -> int:
     """The room a guided run's second call needs, for ComfyUI's load of `model` to leave
-    (`ROOM_SHARE` of ComfyUI's estimate for one call): where the conds' texts differ in length
-    (ComfyUI calls the model once per cond) and the load would leave a model that streams its
-    weights partly on the host; else 0."""
+    (`ROOM_SHARE` of ComfyUI's estimate for one call), and the block graphs of both calls
+    (`graphs.blocks`): where the conds' texts differ in length (ComfyUI calls the model once
+    per cond) and the load would leave a model that streams its weights partly on the host;
+    else 0."""
     if getattr(getattr(model.model, "qwen_turbo", None), "streamer", None) is None:
         return 0
     texts = {tuple(c["cross_attn"].shape) for cs in conds.values() for c in cs
@@ -53,7 +54,12 @@ def lockstep_room(model, noise_shape, conds: dict) -> int:
     left = max(mm.minimum_inference_memory(), one + mm.extra_reserved_memory())
     if batch_fit.freeable(model.load_device) - left >= model.model_size():
         return 0
-    return int(ROOM_SHARE * one)
+    graphs = model.model.qwen_turbo.block_graphs
+    if graphs is None:
+        return int(ROOM_SHARE * one)
+    b, h, w = noise_shape[0], noise_shape[-2], noise_shape[-1]
+    tokens = b * -(-h // 2) * -(-w // 2)  # 2x2 patches
+    return int(ROOM_SHARE * one) + graphs.room_for(tokens, b * max(t[1] for t in texts), 2)
 
 
 def why_not(executor, model, conds: list, x_in, timestep, options: dict) -> str | None:

@@ -13,6 +13,7 @@ import comfy.utils
 import torch
 
 from .. import host, log_once, memory
+from ..graphs.blocks import BlockGraphs
 from . import streaming
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LoaderState:
     safe_blocks: set[int] = field(default_factory=set)
     fidelity: str | None = None
     streamer: streaming.BlockStreamer | None = None  # where the fp8 layers stream
+    block_graphs: BlockGraphs | None = None  # where the fused blocks replay graphs
 
 
 class Patcher(comfy.model_patcher.ModelPatcher):

@@ -47,6 +47,8 @@ MAX_SEEN = 4096  # graph keys remembered as run once
 # from the fused block's tensor shapes (q, k, v, the MLP's hidden activation), not a
 # measurement; room asked before a new chain's first capture.
 PEAK_PER_STATE = 16
+# A chain's bytes as a multiple of its hidden states' (two pairs, and the other inputs)
+CHAIN_PER_STATES = 5
 
 _off = contextvars.ContextVar("qwen_turbo_block_graphs_off", default=False)
 
@@ -321,20 +323,14 @@ class BlockGraphs:
         return out["encoder_hidden_states"], out["hidden_states"]
 
     def _room(self, kwargs: dict) -> bool:
-        """Whether a new chain's buffers, and the pool's growth to a block's peak, fit in the
-        memory a new allocation can take. That counts what the allocator caches from the
-        eager calls before, whose activations the graphs take over (a capture frees the cache
-        where the driver is short); a block left eager that then runs out of memory drops the
-        graphs (`_eager`)."""
+        """Whether a new chain's buffers and captures leave room for the blocks that run
+        eagerly beside the graphs' pool (their activations need as much again)."""
         x = kwargs["hidden_states"]
         if not x.is_cuda:
             return True
-        chains = sum(c.nbytes() for c in self.chains.values())
-        pool = self.held_bytes() - chains
+        pool = self.held_bytes() - sum(c.nbytes() for c in self.chains.values())
         states = sum(kwargs[k].nbytes for k in STATES)
-        chain = 4 * states + sum(v.nbytes for k, v in kwargs.items()
-                                 if isinstance(v, torch.Tensor) and k not in STATES)  # fmt: skip
-        need = max(0, PEAK_PER_STATE * x.nbytes - pool) + chain
+        need = max(pool, PEAK_PER_STATE * x.nbytes) * 2 + CHAIN_PER_STATES * states
         free = memory.room(x.device)
         if free >= need:
             return True
@@ -343,6 +339,16 @@ class BlockGraphs:
             log.info("Block graphs: too little free memory to capture (%.2f GiB needed, %.2f "
                      "free); blocks run eagerly", need / 2**30, free / 2**30)  # fmt: skip
         return False
+
+    def room_for(self, tokens: int, text_tokens: int, calls: int) -> int:
+        """The memory the graphs take beside the eager calls, for `calls` calls of a batch
+        with `tokens` image and `text_tokens` text tokens in all: the pool and each call's
+        chain; 0 once they are off for this model."""
+        if self.out_of_memory:
+            return 0
+        width, item = self.blocks[0].dim, 2  # bf16 hidden states
+        x, txt = tokens * width * item, text_tokens * width * item
+        return PEAK_PER_STATE * x + calls * CHAIN_PER_STATES * (x + txt)
 
     def _capture(self, i: int, inner: Callable, chain: Chain, kwargs: dict, full):
         """Block i's graph reading chain's pair i % 2 and writing pair (i + 1) % 2; None where
