@@ -82,8 +82,7 @@ def joint_attention(
         hq, hk, hv = project(x, linears, unscaled=(0, 1))
         for h, norm, out in ((hq, norms[0], q), (hk, norms[1], k)):
             h = h if isinstance(h, Unscaled) else h.unflatten(-1, (heads, -1))
-            # left on the host by a partial load: a blocking copy would wait for the GPU
-            gain = norm.weight.to(out.device, non_blocking=True)
+            gain = norm_gain(norm, out.device)
             qk_norm_rope_into(h, gain, freqs[:, rows], out[:, rows], norm.eps)
         vs.append(hv)
     v = torch.cat(vs, dim=1).unflatten(-1, (heads, -1))
@@ -92,6 +91,42 @@ def joint_attention(
         skip_reshape=True, transformer_options=transformer_options,
     )  # fmt: skip
     return unscaled(attn.to_out[0], out[:, n_txt:]), unscaled(attn.to_add_out, out[:, :n_txt])
+
+
+GAIN_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # the attention's RMSNorms
+
+
+def norm_gain(norm, device: torch.device) -> torch.Tensor:
+    """An RMSNorm's gain on `device`: its weight where loaded, else `gain_copy`; with ComfyUI's
+    per-call patches (`weight_function`: a LoRA on a norm left on the host), a new copy with
+    them applied (they may write into the weight they are given)."""
+    functions = getattr(norm, "weight_function", None)
+    if functions:
+        gain = norm.weight.to(device, copy=True)
+        for f in functions:
+            gain = f(gain)
+        return gain
+    return norm.weight if norm.weight.device == device else gain_copy(norm, device)
+
+
+def gain_copy(norm, device: torch.device) -> torch.Tensor:
+    """The gain of a norm left on the host by a partial load, on `device`: copied once and kept
+    on the norm while its host tensor is the same, rather than crossing in every block call
+    (a block graph replays it where it lies)."""
+    weight = norm.weight
+    hit = norm.__dict__.get("_gain")
+    if hit is None or hit[0] is not weight or hit[1] != weight.data_ptr() or hit[2] != device:
+        hit = (weight, weight.data_ptr(), device, weight.to(device, non_blocking=True))
+        norm.__dict__["_gain"] = hit
+    return hit[3]
+
+
+def gain_tensors(norm, device: torch.device) -> tuple[torch.Tensor] | None:
+    """What the fused block reads of `norm` on `device` (`graphs.blocks` reads): None where
+    patches apply per call."""
+    if getattr(norm, "weight_function", None):
+        return None
+    return (norm_gain(norm, device),)
 
 
 def rope_table(freqs: torch.Tensor, n: int) -> torch.Tensor:

@@ -184,8 +184,15 @@ def add_block_graphs(patcher, backend=None) -> block_graphs.BlockGraphs:
             return None
         return i in state.safe_blocks
 
+    gains = {id(getattr(b.attn, n)) for b in layers for n in blocks.GAIN_NORMS}
+
+    def reads(m, device):  # the fused block reads the norms' gains where they lie
+        if id(m) in gains:
+            return blocks.gain_tensors(m, device)
+        return block_graphs.parameters_read(m, device)
+
     graphs = state.block_graphs = block_graphs.BlockGraphs(
-        base, layers, call_key, block_key, backend
+        base, layers, call_key, block_key, backend, reads
     )
     for i in range(len(layers)):
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"

@@ -140,6 +140,22 @@ def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def parameters_read(m: torch.nn.Module, device: torch.device) -> list | None:
+    """The tensors a module's call reads on `device`: its parameters; None where the call
+    would copy or patch them (ComfyUI's partial load left it on the host, or patches apply
+    per call). A module with `device_tensors` (the pack's fp8 Linear) names its own."""
+    if hasattr(m, "device_tensors"):
+        return m.device_tensors(device)
+    tensors = [p for p in m._parameters.values() if p is not None]
+    if tensors and (
+        "prev_comfy_cast_weights" in m.__dict__
+        or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
+        or any(p.device != device for p in tensors)
+    ):  # fmt: skip
+        return None
+    return tensors
+
+
 def signature(kwargs: dict) -> tuple | None:
     """The call signature of a block's keyword arguments, transformer_options aside; None
     where one cannot be captured (an argument that is neither a tensor nor a plain value)."""
@@ -162,10 +178,13 @@ class BlockGraphs:
 
     `call_key()`: the Python state of the whole call that its blocks' computation depends on
     (buffers are per call key, so each call in lockstep needs its own). `block_key(i,
-    kwargs)`: block i's, or None where its call cannot be replayed."""
+    kwargs)`: block i's, or None where its call cannot be replayed. `reads(module, device)`:
+    the tensors a module's call reads on the device, None where it copies or patches them
+    (`parameters_read` by default)."""
 
     def __init__(self, model, blocks, call_key: Callable[[], Hashable],
-                 block_key: Callable[[int, dict], Hashable | None], backend=None):  # fmt: skip
+                 block_key: Callable[[int, dict], Hashable | None], backend=None,
+                 reads=None):  # fmt: skip
         self.model = weakref.ref(model)
         self.blocks = list(blocks)
         # the modules holding parameters; read live at each call, as a load or a LoRA swaps
@@ -174,6 +193,7 @@ class BlockGraphs:
         self.call_key = call_key
         self.block_key = block_key
         self.backend = backend or CudaBlockCapture()
+        self.reads = reads or parameters_read
         self.chains: OrderedDict[Hashable, Chain] = OrderedDict()
         self.seen: set[Hashable] = set()  # graph keys run eagerly once
         self.failed: set[Hashable] = set()
@@ -200,24 +220,13 @@ class BlockGraphs:
         self.out_of_memory = False
 
     def _weights(self, i: int, device: torch.device) -> tuple | None:
-        """The data pointers of what block i's layers read on `device`; None where a layer
-        would copy or patch a weight in the call (offloaded without the streamer's copies,
-        or patched per call). A layer with `device_tensors` (the pack's fp8 Linear) names
-        what it reads: the streamer's copies where it is offloaded."""
+        """The data pointers of what block i's layers read on `device` (`reads`); None where
+        a layer would copy or patch a weight in the call."""
         ptrs = []
         for m in self.layers[i]:
-            if hasattr(m, "device_tensors"):
-                tensors = m.device_tensors(device)
-                if tensors is None:
-                    return None
-            else:
-                tensors = [p for p in m._parameters.values() if p is not None]
-                if tensors and (
-                    "prev_comfy_cast_weights" in m.__dict__  # ComfyUI's partial load left it
-                    or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
-                    or any(p.device != device for p in tensors)
-                ):  # fmt: skip
-                    return None
+            tensors = self.reads(m, device)
+            if tensors is None:
+                return None
             ptrs.extend(t.data_ptr() for t in tensors)
         return tuple(ptrs)
 
