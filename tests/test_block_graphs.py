@@ -258,10 +258,10 @@ def test_blocks_streaming_their_weights_replay(narrow_sd, monkeypatch, case):
     patcher, graphs = _model(narrow_sd)
     streamer = patcher.model.qwen_turbo.streamer
     n = len(graphs.blocks)
-    share = 0.6 if case == "norms loaded" else 0.3
-    with _patched(plain, patcher, loaded=int(share * patcher.model_size())):
+    loaded = int(0.6 * patcher.model_size()) if case == "norms loaded" else 1  # 1 byte: none
+    with _patched(plain, patcher, loaded=loaded):
         norms = [getattr(b.attn, k) for b in graphs.blocks for k in dit_blocks.GAIN_NORMS]
-        assert all(streaming.offloaded(m) for m in norms) == (share < 0.5)
+        assert all(streaming.offloaded(m) for m in norms) == (loaded == 1)
         for seed in range(4):
             inputs = _inputs(plain, seed)
             assert torch.equal(_call(patcher, inputs), _call(plain, inputs))
@@ -271,6 +271,12 @@ def test_blocks_streaming_their_weights_replay(narrow_sd, monkeypatch, case):
         assert graphs.replays == 3 * graphs.backend.captures  # a capture replays
         assert bool(streamer.slabs) == copied
         memory.drop(patcher.model)  # ComfyUI asking the model for room
+        assert not streamer.slabs
+        _call(patcher, inputs)
+        assert bool(streamer.slabs) == copied  # made again
+        patcher.unpatch_model(patcher.offload_device)
+        patcher.patch_model(patcher.load_device)  # loaded whole: the slabs go at the next call
+        assert torch.equal(_call(patcher, inputs), _call(plain, inputs))
         assert not streamer.slabs
 
 

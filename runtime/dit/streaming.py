@@ -388,6 +388,8 @@ class BlockStreamer:
                 lockstep[1].hand_over(lockstep[2])  # the other calls run up to this block
             elif i == 0:
                 self._drop_ahead()  # left by a call that did not run every block
+                if self.slabs and not self.streams_now():  # loaded whole since
+                    self.drop()
             streamed = False
             for m in self.layers[i]:
                 if offloaded(m):
