@@ -207,9 +207,9 @@ class BlockStreamer:
     """Copies ahead the offloaded weights of a model's blocks, run in order.
 
     `blocks[i]`'s layers with a `staged` attribute are the ones streamed; `forward(i, inner)`
-    is block i's forward with the copies around it. A copy made ahead is kept only until the
-    block it is for has run (in every call of a lockstep), so nothing stays on the GPU between
-    model calls.
+    is block i's forward with the copies around it. A copy made ahead serves only until the
+    block it is for has run (in every call of a lockstep); between model calls only the two
+    slabs stay on the GPU (`owner`: the model `runtime.memory` holds them under).
     """
 
     def __init__(self, blocks, owner=None):
