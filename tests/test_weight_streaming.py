@@ -591,6 +591,9 @@ def test_the_load_leaves_room_for_the_second_call(narrow_sd, monkeypatch, case):
         txt = 8 * graphs.blocks[0].dim * 2  # the longer text
         want += blocks.PEAK_PER_STATE * x + 2 * blocks.CHAIN_PER_STATES * (x + txt)
         assert lockstep.lockstep_room(both, latent.shape, conds) == want
+        large = (1, 16, 1, 320, 320)  # 25,600 tokens: no room for the graphs
+        one = comfy.sampler_helpers.estimate_memory(both, large, conds)[1]
+        assert lockstep.lockstep_room(both, large, conds) == int(lockstep.ROOM_SHARE * one)
     holds = []
 
     @contextlib.contextmanager

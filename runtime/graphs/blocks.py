@@ -49,6 +49,11 @@ MAX_SEEN = 4096  # graph keys remembered as run once
 PEAK_PER_STATE = 16
 # A chain's bytes as a multiple of its hidden states' (two pairs, and the other inputs)
 CHAIN_PER_STATES = 5
+# Calls of more image tokens get no room held for their graphs at a load: their GPU time hides
+# the host's (a 30-layer forward eager took 1.46x its replay at 1328², 7,056 tokens, and 1.01x
+# at 2512², 24,649: RESULTS 3.5, 3.11), so the weights the room would push to the host buy
+# nothing.
+ROOM_TOKENS = 16384
 
 _off = contextvars.ContextVar("qwen_turbo_block_graphs_off", default=False)
 
@@ -352,8 +357,9 @@ class BlockGraphs:
     def room_for(self, tokens: int, text_tokens: int, calls: int) -> int:
         """The memory the graphs take beside the eager calls, for `calls` calls of a batch
         with `tokens` image and `text_tokens` text tokens in all: the pool and each call's
-        chain; 0 once they are off for this model."""
-        if self.out_of_memory:
+        chain; 0 once they are off for this model, or where a call has more than ROOM_TOKENS
+        image tokens."""
+        if self.out_of_memory or tokens > ROOM_TOKENS:
             return 0
         width, item = self.blocks[0].dim, 2  # bf16 hidden states
         x, txt = tokens * width * item, text_tokens * width * item
