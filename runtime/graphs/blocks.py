@@ -50,7 +50,7 @@ PEAK_PER_STATE = 16
 # A chain's bytes as a multiple of its hidden states' (two pairs, and the other inputs)
 CHAIN_PER_STATES = 5
 # Calls of more image tokens get no room held for their graphs at a load: their GPU time hides
-# the host's (a 30-layer forward eager took 1.46x its replay at 1328², 7,056 tokens, and 1.01x
+# the host's (a 30-layer forward eager took 1.46x its replay at 1328², 6,889 tokens, and 1.01x
 # at 2512², 24,649: RESULTS 3.5, 3.11), so the weights the room would push to the host buy
 # nothing.
 ROOM_TOKENS = 16384
