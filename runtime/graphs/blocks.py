@@ -299,10 +299,14 @@ class BlockGraphs:
     def _out_of_memory(self, why: str) -> None:
         self.drop()
         self.out_of_memory = True
+        where = ""
         if torch.cuda.is_available():
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            where = (f"; {torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free on the driver, "
+                     f"{cached / 2**30:.2f} GiB cached")  # fmt: skip
             torch.cuda.empty_cache()
-        log.warning("Block graphs: out of memory (%s); dropped, and every block of this model "
-                    "runs eagerly until it is unloaded", why)  # fmt: skip
+        log.warning("Block graphs: out of memory (%s%s); dropped, and every block of this model "
+                    "runs eagerly until it is unloaded", why, where)  # fmt: skip
 
     def _replay(self, i: int, inner: Callable, kwargs: dict, chain_key, graph_key):
         """Block i's output from its graph (captured first where this key ran eagerly before);
