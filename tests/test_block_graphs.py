@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import nodes
 from qwen_turbo.runtime import memory
 from qwen_turbo.runtime.dit import blocks as dit_blocks
 from qwen_turbo.runtime.dit import config, fp8, loader, probe, streaming
@@ -168,6 +169,16 @@ def test_out_of_memory_drops_the_graphs_and_runs_eagerly(narrow_sd, caplog):
             assert torch.equal(_call(patcher, inputs), _call(plain, inputs))
     assert graphs.out_of_memory and graphs.backend.captures == 1 and not graphs.chains
     assert "Block graphs: out of memory" in caplog.text
+
+
+def test_graphs_off_after_running_out_of_memory_are_tried_at_the_next_run(narrow_sd):
+    patcher, graphs = _model(narrow_sd, backend=TracedBlocks(oom=True))
+    cfg = config.read_config(narrow_sd)
+    cond = [[torch.randn(1, 6, cfg.joint_attention_dim), {}]]
+    latent = {"samples": torch.zeros(1, cfg.out_channels, 1, 8, 8)}
+    for run in (1, 2):
+        nodes.common_ksampler(patcher, run, 3, 1.0, "euler", "simple", cond, cond, latent)
+        assert graphs.out_of_memory and graphs.backend.captures == run
 
 
 def test_dropped_graphs_are_captured_again(pair):

@@ -34,6 +34,7 @@ COMPILE = ["off", "regional"]
 SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"  # object patch on each block's `forward`
 PROBE_KEY = "qwen_turbo_fidelity_probe"
+GRAPHS_KEY = "qwen_turbo_block_graphs"
 # A block whose lossy contribution differs from the safe path's by more than this (relative L2)
 # is kept on the safe path.
 DEFAULT_THRESHOLD = 0.15
@@ -197,6 +198,12 @@ def add_block_graphs(patcher, backend=None) -> block_graphs.BlockGraphs:
     for i in range(len(layers)):
         key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
         patcher.add_object_patch(key, graphs.forward(i, patcher.object_patches[key]))
+
+    def new_run(executor, *args, **kwargs):  # before the load, which leaves the graphs' room
+        graphs.retry()
+        return executor(*args, **kwargs)
+
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, GRAPHS_KEY, new_run)
     return graphs
 
 

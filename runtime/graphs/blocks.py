@@ -20,7 +20,8 @@ end, so all graphs share one memory pool and may replay in any order.
 
 The first call of a key runs eagerly (kernels compile, cuDNN builds its plans), the next one
 captures. An out-of-memory error in a block, captured or not, drops every block graph and
-turns them off for the model until it is unloaded: the block runs again eagerly.
+turns them off for the model until its next sampling run (`retry`): the block runs again
+eagerly.
 """
 
 import contextlib
@@ -306,7 +307,12 @@ class BlockGraphs:
                      f"{cached / 2**30:.2f} GiB cached")  # fmt: skip
             torch.cuda.empty_cache()
         log.warning("Block graphs: out of memory (%s%s); dropped, and every block of this model "
-                    "runs eagerly until it is unloaded", why, where)  # fmt: skip
+                    "runs eagerly until its next run", why, where)  # fmt: skip
+
+    def retry(self) -> None:
+        """A new sampling run: graphs turned off by an out-of-memory error are tried again (and
+        the load leaves room for them, `room_for`)."""
+        self.out_of_memory = False
 
     def _replay(self, i: int, inner: Callable, kwargs: dict, chain_key, graph_key):
         """Block i's output from its graph (captured first where this key ran eagerly before);
@@ -361,7 +367,7 @@ class BlockGraphs:
     def room_for(self, tokens: int, text_tokens: int, calls: int) -> int:
         """The memory the graphs take beside the eager calls, for `calls` calls of a batch
         with `tokens` image and `text_tokens` text tokens in all: the pool and each call's
-        chain; 0 once they are off for this model, or where a call has more than ROOM_TOKENS
+        chain; 0 while they are off for this model, or where a call has more than ROOM_TOKENS
         image tokens."""
         if self.out_of_memory or tokens > ROOM_TOKENS:
             return 0
