@@ -27,6 +27,7 @@ Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: e
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 """
 
+import atexit
 import hashlib
 import logging
 import math
@@ -394,6 +395,14 @@ class _Plan:
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=out.device)
         cudnn.set_stream(self.handle, torch.cuda.current_stream(out.device).cuda_stream)
         self.graph.execute(dict(enumerate(pack)), ws, handle=self.handle)
+
+
+@atexit.register
+def _free_plans() -> None:
+    """cuDNN's graphs freed before the interpreter's teardown, where nanobind would list each
+    one left as leaked in the console."""
+    _plans.clear()
+    _handles.clear()
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor):

@@ -435,6 +435,30 @@ def test_gpu_plan_cache(kernel_only, monkeypatch, tmp_path):
     torch.testing.assert_close(run(again), run(built), rtol=0, atol=0)
 
 
+EXIT = """import torch
+import tests.harness  # registers the pack as qwen_turbo, without running it
+from qwen_turbo.kernels import attention_fp8 as mod
+
+q = torch.randn(1, 2, 333, 64, device="cuda", dtype=torch.bfloat16)
+assert mod.attention_fp8(q, q, q).isfinite().all()
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+def test_gpu_process_exits_without_leak_reports(tmp_path):
+    """A process whose attention built a plan, and one that loaded it, exit without
+    nanobind's list of cuDNN objects left alive (printed in ComfyUI's console at exit)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+           "QWEN_TURBO_CUDNN_CACHE": str(tmp_path)}  # fmt: skip
+    for _ in ("built", "loaded"):
+        run = subprocess.run([sys.executable, "-c", EXIT], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0 and "leaked" not in run.stderr, run.stderr[-3000:]
+    assert len(list(tmp_path.iterdir())) == 1
+
+
 @pytest.mark.gpu
 @needs_cuda
 @needs_cudnn_fp8
