@@ -1,0 +1,110 @@
+"""Attention from maintained libraries against the pack's cuDNN fp8 attention, at the DiT's
+shapes: q, k, v of (1, L, 24, 128) in bf16, no mask. For each length and variant: the first
+call (compiles, plan builds), the median of 20 calls timed with CUDA events, TFLOP/s
+(4·L²·H·D) and the relative L2 against float32 SDPA.
+
+Variants: the pack's `attention_fp8` (quantize, cuDNN's fp8 graph, as the fused blocks call
+it), torch's SDPA in bf16 (the backend torch picks), and FlashAttention-4 (`flash-attn-4`, CuTe
+DSL) in bf16; its fp8 forward takes only compute capability 10.x. A variant whose library is
+missing or declines the GPU prints why. Prints a table, then one JSON line.
+
+    python benchmarks/attention_libraries.py --lengths 7145 24905
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
+import tests.harness  # noqa: E402,F401  registers the pack as qwen_turbo
+from qwen_turbo.kernels.attention_fp8 import attention_fp8  # noqa: E402
+
+HEADS, DIM = 24, 128
+
+
+def fa4():
+    """FlashAttention-4's forward over (B, L, H, D) tensors, or why it cannot run."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:
+        return f"flash-attn-4 not importable: {type(e).__name__}: {e}"
+
+    def run(q, k, v):
+        out = flash_attn_func(q, k, v)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def heads_first(*tensors):
+    return [t.transpose(1, 2) for t in tensors]
+
+
+def variants():
+    """name -> a function of (B, L, H, D) q, k, v returning (B, L, H, D), or why not."""
+
+    def pack(q, k, v):
+        return attention_fp8(*heads_first(q, k, v)).transpose(1, 2)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(*heads_first(q, k, v)).transpose(1, 2)
+
+    return {"pack fp8_cudnn": pack, "torch sdpa bf16": sdpa, "flash-attn-4 bf16": fa4()}
+
+
+def measure(fn, q, k, v, exact, repeats=20) -> dict:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(q, k, v)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(q, k, v)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    tflop = 4 * q.shape[1] * k.shape[1] * HEADS * DIM / 1e12
+    return {"first_s": round(first, 3), "ms": round(ms, 3), "tflops": round(tflop / ms * 1e3, 1),
+            "rel_l2": float(f"{rel:.3e}")}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[7145, 24905])
+    args = parser.parse_args()
+    rows = []
+    for length in args.lengths:
+        g = torch.Generator("cuda").manual_seed(length)
+        q, k, v = (torch.randn(1, length, HEADS, DIM, device="cuda", generator=g,
+                               dtype=torch.bfloat16) for _ in range(3))  # fmt: skip
+        exact = F.scaled_dot_product_attention(*heads_first(q.float(), k.float(), v.float()))
+        exact = exact.transpose(1, 2).double()
+        for name, fn in variants().items():
+            row = {"length": length, "variant": name}
+            if isinstance(fn, str):
+                row["error"] = fn
+            else:
+                try:
+                    row |= measure(fn, q, k, v, exact)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
+        del exact
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "rows": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
