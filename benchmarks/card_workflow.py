@@ -493,6 +493,8 @@ def main():
         "--record-kernels", metavar="PATH",
         help="write the Triton launches of these runs as a warm-up manifest (kernels/warmup.json)",
     )  # fmt: skip
+    p.add_argument("--no-quality-guard", action="store_true",
+                   help="the Optimized Loader's quality_guard off (no fidelity probe)")  # fmt: skip
     p.add_argument("--log", help="print ComfyUI's and the pack's log at this level (INFO)")
     a = p.parse_args()
     if a.log:
@@ -516,6 +518,8 @@ def main():
                 node["inputs"].update(weight_dtype=dtype, attention=attention,
                                       fused_kernels=fused == "on")  # fmt: skip
     for node in variants["pack"].values():
+        if a.no_quality_guard and node["class_type"] == "QwenTurboLoader":
+            node["inputs"]["quality_guard"] = False
         if a.capture and node["class_type"] == "QwenTurboCUDAGraphSampler":
             node["inputs"]["capture"] = a.capture
         if a.budget is not None and node["class_type"] == "QwenTurboVAEDecodeTiled":
