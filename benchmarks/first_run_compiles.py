@@ -140,7 +140,7 @@ def report():
 def main():
     JITFunction._do_compile = _timed_compile
     atexit.register(report)
-    pack.load()
+    pack.register()  # the kernels importable; card_workflow runs the pack once ComfyUI is set up
     import qwen_turbo.kernels.attention_fp8 as af
 
     build = af._Plan.__init__
