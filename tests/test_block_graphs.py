@@ -171,14 +171,17 @@ def test_out_of_memory_drops_the_graphs_and_runs_eagerly(narrow_sd, caplog):
     assert "Block graphs: out of memory" in caplog.text
 
 
-def test_graphs_off_after_running_out_of_memory_are_tried_at_the_next_run(narrow_sd):
+def test_graphs_off_after_running_out_of_memory_are_tried_at_the_next_run(narrow_sd, caplog):
+    """After the first error the next run captures again; after the second, none does."""
     patcher, graphs = _model(narrow_sd, backend=TracedBlocks(oom=True))
     cfg = config.read_config(narrow_sd)
     cond = [[torch.randn(1, 6, cfg.joint_attention_dim), {}]]
     latent = {"samples": torch.zeros(1, cfg.out_channels, 1, 8, 8)}
-    for run in (1, 2):
+    for run, captures in ((1, 1), (2, 2), (3, 2)):
         nodes.common_ksampler(patcher, run, 3, 1.0, "euler", "simple", cond, cond, latent)
-        assert graphs.out_of_memory and graphs.backend.captures == run
+        assert graphs.out_of_memory and graphs.backend.captures == captures
+    assert "eagerly until its next run" in caplog.text
+    assert "eagerly until it is unloaded" in caplog.text
 
 
 def test_dropped_graphs_are_captured_again(pair):

@@ -20,8 +20,8 @@ end, so all graphs share one memory pool and may replay in any order.
 
 The first call of a key runs eagerly (kernels compile, cuDNN builds its plans), the next one
 captures. An out-of-memory error in a block, captured or not, drops every block graph and
-turns them off for the model until its next sampling run (`retry`): the block runs again
-eagerly.
+turns them off for the model until its next sampling run (`retry`), after a second such error
+until it is unloaded: the block runs again eagerly.
 """
 
 import contextlib
@@ -50,6 +50,8 @@ MAX_SEEN = 4096  # graph keys remembered as run once
 PEAK_PER_STATE = 16
 # A chain's bytes as a multiple of its hidden states' (two pairs, and the other inputs)
 CHAIN_PER_STATES = 5
+# Out-of-memory errors after which the graphs stay off until the model unloads
+MAX_OUT_OF_MEMORY = 2
 # Calls of more image tokens get no room held for their graphs at a load: their GPU time hides
 # the host's (a 30-layer forward eager took 1.46x its replay at 1328², 6,889 tokens, and 1.01x
 # at 2512², 24,649: RESULTS 3.5, 3.11), so the weights the room would push to the host buy
@@ -204,6 +206,7 @@ class BlockGraphs:
         self.seen: set[Hashable] = set()  # graph keys run eagerly once
         self.failed: set[Hashable] = set()
         self.out_of_memory = False
+        self.out_of_memory_errors = 0
         self._pool_bytes: int | None = 0
         self.replays = 0  # for tests
         self.told_room = False  # logged once that a capture had no room
@@ -224,6 +227,7 @@ class BlockGraphs:
         self.seen.clear()
         self.failed.clear()
         self.out_of_memory = False
+        self.out_of_memory_errors = 0
 
     def _weights(self, i: int, device: torch.device) -> tuple | None:
         """The data pointers of what block i's layers read on `device` (`reads`); None where
@@ -300,6 +304,9 @@ class BlockGraphs:
     def _out_of_memory(self, why: str) -> None:
         self.drop()
         self.out_of_memory = True
+        self.out_of_memory_errors += 1
+        until = ("its next run" if self.out_of_memory_errors < MAX_OUT_OF_MEMORY
+                 else "it is unloaded")  # fmt: skip
         where = ""
         if torch.cuda.is_available():
             cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
@@ -307,12 +314,13 @@ class BlockGraphs:
                      f"{cached / 2**30:.2f} GiB cached")  # fmt: skip
             torch.cuda.empty_cache()
         log.warning("Block graphs: out of memory (%s%s); dropped, and every block of this model "
-                    "runs eagerly until its next run", why, where)  # fmt: skip
+                    "runs eagerly until %s", why, where, until)  # fmt: skip
 
     def retry(self) -> None:
         """A new sampling run: graphs turned off by an out-of-memory error are tried again (and
-        the load leaves room for them, `room_for`)."""
-        self.out_of_memory = False
+        the load leaves room for them, `room_for`), unless that was the MAX_OUT_OF_MEMORY-th."""
+        if self.out_of_memory_errors < MAX_OUT_OF_MEMORY:
+            self.out_of_memory = False
 
     def _replay(self, i: int, inner: Callable, kwargs: dict, chain_key, graph_key):
         """Block i's output from its graph (captured first where this key ran eagerly before);
