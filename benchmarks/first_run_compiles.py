@@ -40,6 +40,7 @@ TIMED = (
     "comfy.float.stochastic_rounding",
     "comfy.model_patcher.ModelPatcher.pin_weight_to_device",
     "qwen_turbo.runtime.dit.patcher.Patcher.pin_weight_to_device",
+    "qwen_turbo.runtime.dit.patcher.Patcher._pin_copies",
     "qwen_turbo.runtime.dit.streaming.Uploader.to",
     "torch.cuda.synchronize",
     "torch.cuda.graphs.CUDAGraph.capture_begin",

@@ -5,6 +5,7 @@ import functools
 import gc
 import inspect
 import logging
+import threading
 import weakref
 
 import comfy.model_management as mm
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from qwen_turbo.kernels.fp8_linear import FP8
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime.dit import blocks, config, convert, files, fp8, loader
+from qwen_turbo.runtime.dit import blocks, config, convert, files, fp8, loader, streaming
 from tests.harness import models
 from tests.kernels.common import assert_error_rule
 
@@ -554,6 +555,37 @@ def test_weights_unloaded_for_room_stay_in_the_file_mapping(monkeypatch, narrow_
     key = "diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"
     patcher.pin_weight_to_device(key)
     assert comfy.utils.get_attr(patcher.model, key).data_ptr() not in mapped
+
+
+def test_a_load_pins_copies_of_the_mapped_weights_it_offloads(monkeypatch, narrow_sd):
+    """With dynamic VRAM, a load that leaves weights offloaded pins a copy of each mapped one
+    (made on the copy threads, the same bytes) and of no other, after its own work."""
+    memory = pytest.importorskip("comfy.memory_management")
+    if not hasattr(comfy.model_patcher.ModelPatcher, "pin_weight_to_device"):
+        pytest.skip("this ComfyUI pins no weights")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    pinned, threads = [], set()
+    monkeypatch.setattr(mm, "pin_memory", lambda t: pinned.append(t.data_ptr()) or False)
+    memmove = streaming.ctypes.memmove
+
+    def copy(*args):
+        threads.add(threading.current_thread().name)
+        return memmove(*args)
+
+    monkeypatch.setattr(streaming.ctypes, "memmove", copy)
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    mapped = patcher.model.qwen_turbo.mapped
+    sd = patcher.model.state_dict()
+    before = {k: v.clone() for k, v in sd.items() if v.data_ptr() in mapped}
+    views = {sd[k].data_ptr() for k in before}
+    assert before
+    patcher.load(torch.device("cpu"), lowvram_model_memory=1)  # every weight offloaded
+    after = patcher.model.state_dict()
+    assert not mapped and {after[k].data_ptr() for k in before} <= set(pinned)
+    assert not views & set(pinned)
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in before.items())
+    assert threads and all(name.startswith("qwen-turbo-pin") for name in threads)
+    assert patcher._to_pin is None
 
 
 def test_a_dropped_clone_leaves_the_page_locked_weights_to_its_parent(monkeypatch, narrow_sd):

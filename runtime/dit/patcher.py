@@ -73,6 +73,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
     _uploader: streaming.Uploader | None = None
     _backed = frozenset()
     _unloading = False  # inside partially_unload
+    _to_pin: list[str] | None = None  # during a load: the keys of mapped weights it offloads
 
     def load(self, device_to=None, *args, **kwargs):
         self._uploader = None
@@ -84,12 +85,14 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             self._uploader = streaming.Uploader.for_tensors(self.model.parameters())
         if self._uploader is not None:
             self._backed = streaming.file_backed(self.model.parameters())
+        self._to_pin = []
         try:
             out = super().load(device_to, *args, **kwargs)
+            self._pin_copies(self._to_pin)
         finally:
             if self._uploader is not None:
                 self._uploader.close()
-            self._uploader = None
+            self._uploader = self._to_pin = None
         mapped = [host for host, _ in self.model.qwen_turbo.hosts.values()]
         mapped += [b.weight for b in self.backup.values() if b.weight.data_ptr() in self._backed]
         self._page_out(mapped)
@@ -200,16 +203,30 @@ class Patcher(comfy.model_patcher.ModelPatcher):
 
     def pin_weight_to_device(self, key):
         """ComfyUI's. A weight in comfy-aimdo's file mapping is pinned as a copy (the driver
-        cannot page-lock the mapping) where a load leaves it offloaded; where ComfyUI makes
-        room for another model (a text encoder on a new prompt) it stays in the mapping,
-        unpinned: a copy would hold it twice in RAM, and the model's next load takes it to
-        the GPU through the uploader's page-locked buffers."""
+        cannot page-lock the mapping) where a load leaves it offloaded, after the load's
+        other work (`_pin_copies`); where ComfyUI makes room for another model (a text
+        encoder on a new prompt) it stays in the mapping, unpinned: a copy would hold it twice
+        in RAM, and the model's next load takes it to the GPU through the uploader's
+        page-locked buffers."""
         mapped = self.model.qwen_turbo.mapped
         weight = comfy.utils.get_attr(self.model, key) if mapped else None
         if weight is not None and weight.data_ptr() in mapped:
             if self._unloading:
                 return
-            mapped.discard(weight.data_ptr())
-            comfy.utils.set_attr_param(self.model, key, weight.detach().clone())
-            self._page_out([weight])
+            if self._to_pin is not None:
+                self._to_pin.append(key)
+                return
+            self._pin_copies([key])
+            return
         super().pin_weight_to_device(key)
+
+    def _pin_copies(self, keys: list[str]) -> None:
+        """Mapped weights `keys` copied out of the mapping, on a few threads ahead of this
+        one (`streaming.host_copies`: torch's copy takes every core and waits for the
+        slowest, 2.3 GB/s beside the kernel warm-up), and pinned by ComfyUI."""
+        weights = [comfy.utils.get_attr(self.model, key) for key in keys]
+        for key, weight, copy in zip(keys, weights, streaming.host_copies(weights), strict=True):
+            self.model.qwen_turbo.mapped.discard(weight.data_ptr())
+            comfy.utils.set_attr_param(self.model, key, copy)
+            super().pin_weight_to_device(key)
+        self._page_out(weights)

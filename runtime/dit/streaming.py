@@ -32,7 +32,7 @@ import ctypes
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -555,6 +555,22 @@ STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer sm
 # Threads filling the buffer. torch's CPU copy takes every core, and with 6 of 16 busy (as a
 # first run's kernel warm-up keeps them) it fell to 2.3 GB/s, below `.to()`'s 5.6-6.7.
 FILL_THREADS = 4
+
+
+def host_copies(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
+    GIL) ahead of the caller, which takes them in order."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_contiguous() or type(t) is not torch.Tensor:
+            return t.clone()
+        out = torch.empty_like(t)
+        ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
+        return out
+
+    with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
+        yield from pool.map(one, tensors)
 
 
 class Uploader:
