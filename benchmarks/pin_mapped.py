@@ -4,16 +4,21 @@ dict as views of one), as the Optimized Loader must before it streams offloaded 
 Each variant maps the file afresh (in the OS cache, as after the first run of a session), takes
 DiT-sized pieces at an 8-byte-aligned offset (as safetensors lays them out), and makes each
 piece page-locked:
-  clone      what the loader does: torch's clone of the piece, then cudaHostRegister of the
+  clone      torch's clone of the piece, then cudaHostRegister of the
              clone (ComfyUI's `pin_memory`)
   huge       one anonymous mapping with transparent huge pages asked for (MADV_HUGEPAGE), each
              piece copied into it on --threads threads, then one cudaHostRegister of it
+  copies     the loader's way under dynamic VRAM: copies made on --threads threads
+             (`streaming.host_copies`) ahead of the main thread, which registers each in order
+  threaded   each piece copied and registered on one of --threads threads
   file       no copy: one cudaHostRegister of the file mapping's span, read-only
              (cudaHostRegisterReadOnly); the mapping private and read-only. Not run by
              default: on an H100 machine (kernel 6.18, Firecracker) it did not return within
              150 s
-Then each variant's pieces cross to the GPU with non-blocking copies: a page-locked source
-moves at the link's speed, a pageable one at a fraction of it. Prints a table and JSON.
+With --gil-busy N, N threads of this process run Python meanwhile (as the kernel warm-up's
+compiles do during a first run's load). Then each variant's pieces cross to the GPU with
+non-blocking copies: a page-locked source moves at the link's speed, a pageable one at a
+fraction of it. Prints a table and JSON.
 
     python benchmarks/pin_mapped.py --gib 9.5
 """
@@ -24,11 +29,13 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 import mapped_load  # noqa: E402
 from mapped_load import GiB, write_file  # noqa: E402
 
@@ -97,6 +104,28 @@ def run(path: Path, variant: str, threads: int) -> dict:
             list(pool.map(move, jobs))
         rc = register(base, moved, PORTABLE)
         registered.append(base)
+    elif variant == "copies":
+        from qwen_turbo.runtime.dit import streaming
+
+        streaming.FILL_THREADS = threads
+        views = [everything[o : o + n] for o, n in spans]
+        for c in streaming.host_copies(views):
+            rc = rc or register(c.data_ptr(), c.nbytes, PORTABLE)
+            registered.append(c.data_ptr())
+            keep.append(c)
+    elif variant == "threaded":
+
+        def pin(span):
+            offset, n = span
+            c = torch.empty(n, dtype=torch.uint8)
+            ctypes.memmove(c.data_ptr(), address + offset, n)
+            return c, register(c.data_ptr(), n, PORTABLE)
+
+        with ThreadPoolExecutor(threads) as pool:
+            for c, code in pool.map(pin, spans):
+                rc = rc or code
+                registered.append(c.data_ptr())
+                keep.append(c)
     elif variant == "file":
         start = address + spans[0][0]
         start -= start % mmap.PAGESIZE
@@ -130,6 +159,13 @@ def run(path: Path, variant: str, threads: int) -> dict:
             "cross_gb_per_s": round(total / cross / 1e9, 1)}  # fmt: skip
 
 
+def spin() -> None:
+    """Python, endlessly: a thread that wants the GIL whenever it lacks it."""
+    n = 0
+    while True:
+        n = (n + 1) % 1000
+
+
 def main():
     import torch
 
@@ -139,7 +175,10 @@ def main():
     p.add_argument("--variants", nargs="+", default=["clone", "huge"])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--gil-busy", type=int, default=0, help="threads running Python meanwhile")
     a = p.parse_args()
+    for _ in range(a.gil_busy):
+        threading.Thread(target=spin, daemon=True).start()
     path = Path(a.path)
     t = time.perf_counter()
     write_file(path, a.gib)
@@ -147,13 +186,13 @@ def main():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp = thp.read_text().strip() if thp.exists() else "?"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernel "
-          f"{os.uname().release}, THP {thp}")  # fmt: skip
+          f"{os.uname().release}, THP {thp}, {a.gil_busy} threads running Python")  # fmt: skip
     print(f"{'variant':8s} {'threads':>7s} {'GiB':>6s} {'rc':>4s} {'pinned':>6s} {'pin':>7s} "
           f"{'cross GB/s':>10s}")  # fmt: skip
     rows = []
     for _ in range(a.repeats):
         for v in a.variants:
-            for n in a.threads if v == "huge" else [1]:
+            for n in a.threads if v in ("huge", "copies", "threaded") else [1]:
                 rows.append(r := run(path, v, n))
                 print(f"{v:8s} {n:7d} {r['gib']:6.2f} {r['rc']:4d} {str(r['pinned']):>6s} "
                       f"{r['seconds']:6.2f}s {r['cross_gb_per_s']:10.1f}", flush=True)  # fmt: skip
