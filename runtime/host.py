@@ -154,6 +154,14 @@ def dynamic_need() -> int | None:
     return None
 
 
+def pinning_disabled() -> bool:
+    """Whether ComfyUI runs with --disable-pinned-memory (v0.33; earlier hosts lack it): the
+    pack then page-locks no host memory either."""
+    import comfy.cli_args
+
+    return bool(getattr(comfy.cli_args.args, "disable_pinned_memory", False))
+
+
 def pin_request() -> bool:
     """Whether ComfyUI's `load_models_gpu` is summing what the models it loads will page-lock
     (v0.33: `total_pins_required`, each statically loaded model's whole size, whether it pins

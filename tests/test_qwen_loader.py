@@ -8,6 +8,7 @@ import logging
 import threading
 import weakref
 
+import comfy.cli_args
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.sd
@@ -586,6 +587,24 @@ def test_a_load_pins_copies_of_the_mapped_weights_it_offloads(monkeypatch, narro
     assert all(torch.equal(after[k].float(), v.float()) for k, v in before.items())
     assert threads and all(name.startswith("qwen-turbo-pin") for name in threads)
     assert patcher._to_pin is None
+
+
+def test_mapped_weights_stay_in_the_mapping_where_comfyui_pinning_is_off(monkeypatch, narrow_sd):
+    """With ComfyUI's --disable-pinned-memory a load that offloads mapped weights leaves them
+    as views of the mapping: a copy would not be pinned, only held twice in RAM."""
+    memory = pytest.importorskip("comfy.memory_management")
+    if not hasattr(comfy.model_patcher.ModelPatcher, "pin_weight_to_device"):
+        pytest.skip("this ComfyUI pins no weights")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", True, raising=False)
+    pinned = []
+    monkeypatch.setattr(mm, "pin_memory", lambda t: pinned.append(t.data_ptr()) or False)
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    mapped = set(patcher.model.qwen_turbo.mapped)
+    assert mapped
+    patcher.load(torch.device("cpu"), lowvram_model_memory=1)  # every weight offloaded
+    assert mapped <= {p.data_ptr() for p in patcher.model.parameters()}
+    assert patcher.model.qwen_turbo.mapped == mapped and not mapped & set(pinned)
 
 
 def test_a_dropped_clone_leaves_the_page_locked_weights_to_its_parent(monkeypatch, narrow_sd):

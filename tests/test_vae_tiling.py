@@ -402,3 +402,21 @@ def test_automatic_budget_leaves_out_the_cached_graphs(qwen_vae, memory_requests
     assert memory.held_bytes() == 2**31
     assert planned == [free - 2**31 - mm.extra_reserved_memory()]
     memory.release(model)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_output_buffer_for_a_gpu_is_pinned_unless_comfyui_pinning_is_off(monkeypatch, disabled):
+    """The decode's host buffer is page-locked for a GPU's tiles, never with ComfyUI's
+    --disable-pinned-memory."""
+    import comfy.cli_args
+
+    monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", disabled, raising=False)
+    asked, empty = [], torch.empty
+
+    def host_empty(*args, pin_memory=False, **kwargs):  # CPU-only torch cannot pin
+        asked.append(pin_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", host_empty)
+    buf = executor._host_buffer(torch.zeros(1, 3, 4, 5), 8, 10, "cuda")
+    assert buf.shape == (1, 3, 8, 10) and asked == [not disabled]

@@ -144,6 +144,19 @@ def test_pageable_sources_are_pinned_once(narrow_sd, monkeypatch):
     assert len({id(t) for t in pinned}) == len(pinned)
 
 
+def test_nothing_is_page_locked_where_comfyui_pinning_is_off(narrow_sd, monkeypatch):
+    """With ComfyUI's --disable-pinned-memory the streamer page-locks nothing: it copies from
+    pageable memory, with the same result."""
+    monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", True, raising=False)
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t.clone())
+    monkeypatch.setattr(streaming.Registered, "of", classmethod(lambda cls, t: pinned.append(t)))
+    plain, streamed, streamer = _model(narrow_sd, "fp8_e4m3fn_fast")
+    assert torch.equal(_partly_loaded_forward(streamed)[0], _partly_loaded_forward(plain)[0])
+    assert not streamer.page_lock and streamer.copies == len(streamer.layers)
+    assert pinned == []
+
+
 def test_an_interrupted_call_leaves_no_copies(narrow_sd):
     """A block that raises (an interrupt, say) drops the copies made ahead for the next."""
     _, _, streamer = _model(narrow_sd, "fp8_e4m3fn")

@@ -6,7 +6,6 @@ import collections
 import logging
 from dataclasses import dataclass, field
 
-import comfy.cli_args
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
@@ -80,7 +79,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         if (
             device_to is not None
             and torch.device(device_to).type == "cuda"
-            and not getattr(comfy.cli_args.args, "disable_pinned_memory", False)
+            and not host.pinning_disabled()
         ):
             self._uploader = streaming.Uploader.for_tensors(self.model.parameters())
         if self._uploader is not None:
@@ -211,7 +210,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         mapped = self.model.qwen_turbo.mapped
         weight = comfy.utils.get_attr(self.model, key) if mapped else None
         if weight is not None and weight.data_ptr() in mapped:
-            if self._unloading:
+            if self._unloading or host.pinning_disabled():  # a copy would not be pinned
                 return
             if self._to_pin is not None:
                 self._to_pin.append(key)

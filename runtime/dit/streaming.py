@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .. import log_once, memory
+from .. import host, log_once, memory
 from ..memory import room
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,8 @@ class BlockStreamer:
     def __init__(self, blocks, owner=None):
         self.owner = None if owner is None else weakref.ref(owner)  # memory holds slabs under it
         self.layers = [[m for m in b.modules() if hasattr(m, "staged")] for b in blocks]
-        self.page_lock = True  # page-lock pageable sources; off once pinning fails
+        # page-lock pageable sources; off once pinning fails or where ComfyUI's is turned off
+        self.page_lock = not host.pinning_disabled()
         self.ahead: dict[int, tuple[torch.cuda.Event | None, list]] = {}
         # block -> (its staged weights, how many calls in lockstep have still to run it)
         self.shared: dict[int, tuple[list, int]] = {}

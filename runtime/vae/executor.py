@@ -3,6 +3,7 @@
 import torch
 
 from ...kernels.group_norm_stats import finalize_moments, group_moments, merge_moments
+from .. import host
 from .ops import Global, State, Stats
 from .planner import Chain, Plan
 
@@ -10,7 +11,7 @@ from .planner import Chain, Plan
 def _host_buffer(like: torch.Tensor, h: int, w: int, device) -> torch.Tensor:
     """A host tensor of shape (*lead, h, w) stored rows first, so that full-width row strips
     are contiguous (one DMA each, pinned when the device is a GPU)."""
-    pin = torch.device(device).type == "cuda"
+    pin = torch.device(device).type == "cuda" and not host.pinning_disabled()
     buf = torch.empty(h, *like.shape[:-2], w, dtype=like.dtype, pin_memory=pin)
     return buf.movedim(0, -2)
 
