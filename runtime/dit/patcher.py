@@ -92,7 +92,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             if self._uploader is not None:
                 self._uploader.close()
             self._uploader = self._to_pin = None
-        mapped = [host for host, _ in self.model.qwen_turbo.hosts.values()]
+        mapped = [view for view, _ in self.model.qwen_turbo.hosts.values()]
         mapped += [b.weight for b in self.backup.values() if b.weight.data_ptr() in self._backed]
         self._page_out(mapped)
         return out
@@ -121,10 +121,10 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         weight = comfy.utils.get_attr(self.model, key) if uploader and device_to and plain else None
         if weight is not None and uploader.takes(weight):
             if key not in self.patches:
-                host = weight.data
+                view = weight.data
                 weight.data = uploader.to(weight, device_to)
-                if host.data_ptr() in self._backed:
-                    self.model.qwen_turbo.hosts[key] = (host, weight.data_ptr())
+                if view.data_ptr() in self._backed:
+                    self.model.qwen_turbo.hosts[key] = (view, weight.data_ptr())
             elif key not in self.backup:
                 self.backup[key] = Backup(weight, False)
                 comfy.utils.set_attr_param(self.model, key, uploader.to(weight, device_to))
@@ -140,10 +140,10 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         hosts = self.model.qwen_turbo.hosts
         to_host = device_to is not None and torch.device(device_to).type == "cpu"
         if hosts and unpatch_weights and to_host:
-            for key, (host, ptr) in hosts.items():
+            for key, (view, ptr) in hosts.items():
                 weight = comfy.utils.get_attr(self.model, key)
                 if weight.data_ptr() == ptr and key not in self.backup:
-                    weight.data = host
+                    weight.data = view
             hosts.clear()
         return super().unpatch_model(device_to, unpatch_weights)
 
