@@ -9,7 +9,7 @@ piece page-locked:
   huge       one anonymous mapping with transparent huge pages asked for (MADV_HUGEPAGE), each
              piece copied into it on --threads threads, then one cudaHostRegister of it
   copies     the loader's way under dynamic VRAM: copies made on --threads threads
-             (`streaming.host_copies`) ahead of the main thread, which registers each in order
+             (`streaming.copies_ahead`) ahead of the main thread, which registers each in order
   threaded   each piece copied and registered on one of --threads threads
   file       no copy: one cudaHostRegister of the file mapping's span, read-only
              (cudaHostRegisterReadOnly); the mapping private and read-only. Not run by
@@ -109,7 +109,7 @@ def run(path: Path, variant: str, threads: int) -> dict:
 
         streaming.FILL_THREADS = threads
         views = [everything[o : o + n] for o, n in spans]
-        for c in streaming.host_copies(views):
+        for c in streaming.copies_ahead(views):
             rc = rc or register(c.data_ptr(), c.nbytes, PORTABLE)
             registered.append(c.data_ptr())
             keep.append(c)

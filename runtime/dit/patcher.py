@@ -221,12 +221,12 @@ class Patcher(comfy.model_patcher.ModelPatcher):
 
     def _pin_copies(self, keys: list[str]) -> None:
         """Mapped weights `keys` copied out of the mapping, on a few threads ahead of this
-        one (`streaming.host_copies`: torch's copy takes every core and waits for the
+        one (`streaming.copies_ahead`: torch's copy takes every core and waits for the
         slowest, 2.3 GB/s beside the kernel warm-up), and pinned by ComfyUI."""
         if not keys:
             return
         weights = [comfy.utils.get_attr(self.model, key) for key in keys]
-        for key, weight, copy in zip(keys, weights, streaming.host_copies(weights), strict=True):
+        for key, weight, copy in zip(keys, weights, streaming.copies_ahead(weights), strict=True):
             self.model.qwen_turbo.mapped.discard(weight.data_ptr())
             comfy.utils.set_attr_param(self.model, key, copy)
             super().pin_weight_to_device(key)

@@ -558,7 +558,7 @@ STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer sm
 FILL_THREADS = 4
 
 
-def host_copies(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
     GIL) ahead of the caller, which takes them in order."""
 
