@@ -8,11 +8,9 @@ piece page-locked:
              clone (ComfyUI's `pin_memory`)
   huge       one anonymous mapping with transparent huge pages asked for (MADV_HUGEPAGE), each
              piece copied into it on --threads threads, then one cudaHostRegister of it
-  copies     copies made on --threads threads (`streaming.copies_ahead`) ahead of the main
-             thread, which registers each in order (the loader's way where it cannot keep
-             ComfyUI's account of pins)
-  threaded   the loader's way under dynamic VRAM: each piece copied and registered on one of
-             --threads threads (`streaming.pinned_copies_ahead`)
+  copies     the loader's way under dynamic VRAM: copies made on --threads threads
+             (`streaming.copies_ahead`) ahead of the main thread, which registers each in order
+  threaded   each piece copied and registered on one of --threads threads
   file       no copy: one cudaHostRegister of the file mapping's span, read-only
              (cudaHostRegisterReadOnly); the mapping private and read-only. Not run by
              default: on an H100 machine (kernel 6.18, Firecracker) it did not return within
@@ -116,15 +114,18 @@ def run(path: Path, variant: str, threads: int) -> dict:
             registered.append(c.data_ptr())
             keep.append(c)
     elif variant == "threaded":
-        from qwen_turbo.runtime.dit import streaming
 
-        streaming.FILL_THREADS = threads
-        views = [everything[o : o + n] for o, n in spans]
-        for c, pinned in streaming.pinned_copies_ahead(views):
-            rc = rc or int(not pinned)
-            if pinned:
+        def pin(span):
+            offset, n = span
+            c = torch.empty(n, dtype=torch.uint8)
+            ctypes.memmove(c.data_ptr(), address + offset, n)
+            return c, register(c.data_ptr(), n, PORTABLE)
+
+        with ThreadPoolExecutor(threads) as pool:
+            for c, code in pool.map(pin, spans):
+                rc = rc or code
                 registered.append(c.data_ptr())
-            keep.append(c)
+                keep.append(c)
     elif variant == "file":
         start = address + spans[0][0]
         start -= start % mmap.PAGESIZE

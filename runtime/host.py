@@ -162,43 +162,6 @@ def pinning_disabled() -> bool:
     return bool(getattr(comfy.cli_args.args, "disable_pinned_memory", False))
 
 
-PIN_ACCOUNT = ("PINNED_MEMORY", "TOTAL_PINNED_MEMORY", "ensure_pin_registerable", "unpin_memory")
-
-
-def pins_off_main() -> str | None:
-    """Why host memory the pack page-locks itself cannot enter ComfyUI's account of pins
-    (v0.33's `pin_memory`: `PINNED_MEMORY` and its total, which `unpin_memory` and the
-    eviction of pins read), or None where it can."""
-    import comfy.model_management as mm
-
-    absent = [name for name in PIN_ACCOUNT if not hasattr(mm, name)]
-    if absent:
-        return f"comfy.model_management.{absent[0]} is missing"
-    if getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0:
-        return "ComfyUI pins no memory"
-    return None
-
-
-def reserve_pins(size: int) -> None:
-    """The room ComfyUI's `pin_memory` makes before page-locking, made once for `size` bytes:
-    the RAM cache's headroom, then other models' pins evicted past its limit."""
-    import comfy.model_management as mm
-
-    memory = sys.modules.get("comfy.memory_management")
-    if hasattr(memory, "extra_ram_release"):
-        memory.extra_ram_release(memory.RAM_CACHE_HEADROOM)
-    mm.ensure_pin_registerable(size)
-
-
-def count_pin(t) -> None:
-    """`t`, page-locked by the pack, entered in ComfyUI's account of pins as its `pin_memory`
-    enters one (so `unpin_memory` unregisters it)."""
-    import comfy.model_management as mm
-
-    mm.PINNED_MEMORY[t.data_ptr()] = t.nbytes
-    mm.TOTAL_PINNED_MEMORY += t.nbytes
-
-
 def pin_request() -> bool:
     """Whether ComfyUI's `load_models_gpu` is summing what the models it loads will page-lock
     (v0.33: `total_pins_required`, each statically loaded model's whole size, whether it pins

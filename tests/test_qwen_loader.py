@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from qwen_turbo.kernels.fp8_linear import FP8
 from qwen_turbo.nodes.loader import Loader
-from qwen_turbo.runtime import host
 from qwen_turbo.runtime.dit import blocks, config, convert, files, fp8, loader, streaming
 from tests.harness import models
 from tests.kernels.common import assert_error_rule
@@ -588,97 +587,6 @@ def test_a_load_pins_copies_of_the_mapped_weights_it_offloads(monkeypatch, narro
     assert all(torch.equal(after[k].float(), v.float()) for k, v in before.items())
     assert threads and all(name.startswith("qwen-turbo-pin") for name in threads)
     assert patcher._to_pin is None
-
-
-class Cudart:
-    """torch.cuda.cudart()'s page-locking, recorded: the thread of each registration."""
-
-    def __init__(self, code: int):
-        self.code, self.registered, self.unregistered = code, {}, []
-
-    def cudaHostRegister(self, ptr, size, flags):
-        self.registered[ptr] = threading.current_thread().name
-        return self.code
-
-    def cudaHostUnregister(self, ptr):
-        self.unregistered.append(ptr)
-        return 0
-
-
-@pytest.mark.parametrize("code", [0, 1], ids=["registered", "refused"])
-def test_a_load_page_locks_its_copies_on_the_copy_threads(monkeypatch, narrow_sd, code):
-    """Where ComfyUI pins, a load that offloads mapped weights page-locks each copy on a copy
-    thread and enters it in ComfyUI's account of pins, which ComfyUI's unpinning then undoes;
-    a copy the driver refuses is left to ComfyUI's own pinning."""
-    memory = pytest.importorskip("comfy.memory_management")
-    if host.pins_off_main() not in (None, "ComfyUI pins no memory"):
-        pytest.skip("this ComfyUI keeps no account of pins")
-    monkeypatch.setattr(memory, "aimdo_enabled", True)
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-    cudart = Cudart(code)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    on_main = []
-    monkeypatch.setattr(mm, "pin_memory", lambda t: on_main.append(t.data_ptr()) or False)
-    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
-    mapped = patcher.model.qwen_turbo.mapped
-    keys = [k for k, v in patcher.model.state_dict().items() if v.data_ptr() in mapped]
-    patcher.load(torch.device("cpu"), lowvram_model_memory=1)  # every weight offloaded
-    sd = patcher.model.state_dict()
-    copies = {sd[k].data_ptr(): sd[k].nbytes for k in keys}
-    assert keys and not mapped and set(cudart.registered) == set(copies)
-    assert all(name.startswith("qwen-turbo-pin") for name in cudart.registered.values())
-    if code:  # refused: ComfyUI's pin_memory asked for each, nothing counted
-        assert set(copies) <= set(on_main) and mm.PINNED_MEMORY == {}
-        return
-    assert not set(copies) & set(on_main) and set(keys) <= patcher.pinned
-    assert copies == mm.PINNED_MEMORY and sum(copies.values()) == mm.TOTAL_PINNED_MEMORY
-    patcher.unpin_all_weights()
-    assert sorted(cudart.unregistered) == sorted(copies)
-    assert mm.PINNED_MEMORY == {} and mm.TOTAL_PINNED_MEMORY == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_copies_page_locked_on_the_copy_threads_on_gpu(monkeypatch, narrow_sd):
-    """The driver page-locks each copy on its thread: the copies hold the mapping's bytes,
-    are pinned and in ComfyUI's account; ComfyUI's unpinning unregisters every one."""
-    memory = pytest.importorskip("comfy.memory_management")
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40, raising=False)
-    if host.pins_off_main() is not None:
-        pytest.skip(host.pins_off_main())
-    monkeypatch.setattr(memory, "aimdo_enabled", True)
-    total = mm.TOTAL_PINNED_MEMORY
-    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
-    mapped = patcher.model.qwen_turbo.mapped
-    before = {k: v.clone() for k, v in patcher.model.state_dict().items() if v.data_ptr() in mapped}
-    patcher.load(torch.device("cuda"), lowvram_model_memory=1)
-    sd = patcher.model.state_dict()
-    copies = [sd[k] for k in before if sd[k].device.type == "cpu"]
-    assert copies and all(t.is_pinned() and t.data_ptr() in mm.PINNED_MEMORY for t in copies)
-    assert all(torch.equal(sd[k].cpu().float(), v.float()) for k, v in before.items())
-    assert total + sum(t.nbytes for t in copies) <= mm.TOTAL_PINNED_MEMORY
-    patcher.unpin_all_weights()
-    assert not any(t.is_pinned() for t in copies) and total == mm.TOTAL_PINNED_MEMORY
-    patcher.detach()
-
-
-def test_pins_stay_on_the_main_thread_where_comfyui_keeps_no_known_account(monkeypatch):
-    """A host without v0.33's account of pins (or pinning nothing) gets its own pinning,
-    with the reason."""
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40, raising=False)
-    monkeypatch.delattr(mm, "PINNED_MEMORY", raising=False)
-    assert host.pins_off_main() == "comfy.model_management.PINNED_MEMORY is missing"
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {}, raising=False)
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0, raising=False)
-    monkeypatch.setattr(mm, "ensure_pin_registerable", lambda size: True, raising=False)
-    monkeypatch.setattr(mm, "unpin_memory", lambda t: True, raising=False)
-    assert host.pins_off_main() is None
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1)
-    assert host.pins_off_main() == "ComfyUI pins no memory"
 
 
 def test_mapped_weights_stay_in_the_mapping_where_comfyui_pinning_is_off(monkeypatch, narrow_sd):

@@ -220,28 +220,14 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         super().pin_weight_to_device(key)
 
     def _pin_copies(self, keys: list[str]) -> None:
-        """Mapped weights `keys` copied out of the mapping and page-locked on a few threads
-        ahead of this one (`streaming.pinned_copies_ahead`: torch's copy takes every core and
-        waits for the slowest, and one thread's page-locking took 1.6-2.3 s), each entered in
-        ComfyUI's account of pins. Where this host's account is not known, ComfyUI pins each
-        copy (`streaming.copies_ahead`)."""
+        """Mapped weights `keys` copied out of the mapping, on a few threads ahead of this
+        one (`streaming.copies_ahead`: torch's copy takes every core and waits for the
+        slowest, 2.3 GB/s beside the kernel warm-up), and pinned by ComfyUI."""
         if not keys:
             return
         weights = [comfy.utils.get_attr(self.model, key) for key in keys]
-        why = host.pins_off_main()
-        if why is None:
-            host.reserve_pins(sum(w.nbytes for w in weights))
-            copies = streaming.pinned_copies_ahead(weights)
-        else:
-            log_once(log, logging.INFO, f"Optimized Loader: ComfyUI page-locks each offloaded "
-                     f"weight on its main thread ({why})")  # fmt: skip
-            copies = ((copy, False) for copy in streaming.copies_ahead(weights))
-        for key, weight, (copy, pinned) in zip(keys, weights, copies, strict=True):
+        for key, weight, copy in zip(keys, weights, streaming.copies_ahead(weights), strict=True):
             self.model.qwen_turbo.mapped.discard(weight.data_ptr())
             comfy.utils.set_attr_param(self.model, key, copy)
-            if pinned:
-                host.count_pin(copy)
-                self.pinned.add(key)
-            else:
-                super().pin_weight_to_device(key)
+            super().pin_weight_to_device(key)
         self._page_out(weights)

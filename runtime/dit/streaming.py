@@ -561,35 +561,17 @@ FILL_THREADS = 4
 def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
     GIL) ahead of the caller, which takes them in order."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_contiguous() or type(t) is not torch.Tensor:
+            return t.clone()
+        out = torch.empty_like(t)
+        ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
+        return out
+
     with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
-        yield from pool.map(_copy, tensors)
-
-
-def pinned_copies_ahead(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, bool]]:
-    """`copies_ahead`, each copy also page-locked on its thread (cudaHostRegister, portable, as
-    ComfyUI's `pin_memory` does; the caller enters it in ComfyUI's account): (copy, whether it
-    is page-locked). One thread page-locking 1,977 copies took 1.6-2.3 s in a first run."""
-    device = torch.cuda.current_device()
-
-    def one(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        out = _copy(t)
-        if type(out) is not torch.Tensor or not out.is_contiguous() or out.data_ptr() == 0:
-            return out, False  # ComfyUI's pin_memory judges it
-        return out, torch.cuda.cudart().cudaHostRegister(out.data_ptr(), out.nbytes, 1) == 0
-
-    with ThreadPoolExecutor(
-        FILL_THREADS, "qwen-turbo-pin", initializer=torch.cuda.set_device, initargs=(device,)
-    ) as pool:
         yield from pool.map(one, tensors)
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous() or type(t) is not torch.Tensor:
-        return t.clone()
-    out = torch.empty_like(t)
-    ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
-    return out
 
 
 class Uploader:
