@@ -589,6 +589,30 @@ def test_a_load_pins_copies_of_the_mapped_weights_it_offloads(monkeypatch, narro
     assert patcher._to_pin is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copies_of_mapped_weights_page_locked_by_comfyui_on_gpu(monkeypatch, narrow_sd):
+    """The copies of offloaded mapped weights (one huge-page allocation) are page-locked by
+    ComfyUI one by one, hold the mapping's bytes, and are all unregistered by its unpinning."""
+    memory = pytest.importorskip("comfy.memory_management")
+    if not hasattr(mm, "PINNED_MEMORY"):
+        pytest.skip("this ComfyUI pins no weights")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
+    total = mm.TOTAL_PINNED_MEMORY
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    mapped = patcher.model.qwen_turbo.mapped
+    before = {k: v.clone() for k, v in patcher.model.state_dict().items() if v.data_ptr() in mapped}
+    patcher.load(torch.device("cuda"), lowvram_model_memory=1)
+    sd = patcher.model.state_dict()
+    copies = [sd[k] for k in before if sd[k].device.type == "cpu"]
+    assert copies and all(t.is_pinned() and t.data_ptr() in mm.PINNED_MEMORY for t in copies)
+    assert all(torch.equal(sd[k].cpu().float(), v.float()) for k, v in before.items())
+    patcher.unpin_all_weights()
+    assert not any(t.is_pinned() for t in copies) and total == mm.TOTAL_PINNED_MEMORY
+    patcher.detach()
+
+
 def test_mapped_weights_stay_in_the_mapping_where_comfyui_pinning_is_off(monkeypatch, narrow_sd):
     """With ComfyUI's --disable-pinned-memory a load that offloads mapped weights leaves them
     as views of the mapping: a copy would not be pinned, only held twice in RAM."""

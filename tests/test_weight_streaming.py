@@ -262,6 +262,20 @@ def test_host_copies_are_not_deep_copied():
     assert model.qwen_turbo.hosts["w"][1] == 1234
 
 
+def test_copies_ahead_lie_on_pages_of_their_own():
+    """Copies hold their sources' bytes, each plain one from a page boundary and sharing no
+    page with another (ComfyUI page-locks each on its own); a strided source is cloned."""
+    sources = [torch.randn(n) for n in (1, 1000, 1025, 7)] + [torch.randn(8, 6).t()]
+    copies = list(streaming.copies_ahead(sources))
+    for source, made in zip(sources, copies, strict=True):
+        assert torch.equal(source, made) and made.data_ptr() != source.data_ptr()
+    page = streaming.PAGE
+    pages = [set(range(c.data_ptr() // page, (c.data_ptr() + c.nbytes - 1) // page + 1))
+             for c in copies[:4]]  # fmt: skip
+    assert all(c.data_ptr() % page == 0 for c in copies[:4])
+    assert sum(map(len, pages)) == len(set().union(*pages))
+
+
 def test_uploader_stages_large_plain_host_tensors():
     """Through the buffer: contiguous host tensors of 1 MiB and more. Smaller ones, strided
     views and tensor subclasses (quantized layouts) take ComfyUI's `.to()`."""
