@@ -263,8 +263,9 @@ def test_host_copies_are_not_deep_copied():
 
 
 def test_copies_ahead_lie_on_pages_of_their_own():
-    """Copies hold their sources' bytes, each plain one from a page boundary and sharing no
-    page with another (ComfyUI page-locks each on its own); a strided source is cloned."""
+    """Copies hold their sources' bytes, each plain one from a page boundary, sharing no page
+    with another and with a storage of its own (ComfyUI page-locks each on its own, and torch
+    tells a tensor pinned by its storage's start); a strided source is cloned."""
     sources = [torch.randn(n) for n in (1, 1000, 1025, 7)] + [torch.randn(8, 6).t()]
     copies = list(streaming.copies_ahead(sources))
     for source, made in zip(sources, copies, strict=True):
@@ -273,6 +274,7 @@ def test_copies_ahead_lie_on_pages_of_their_own():
     pages = [set(range(c.data_ptr() // page, (c.data_ptr() + c.nbytes - 1) // page + 1))
              for c in copies[:4]]  # fmt: skip
     assert all(c.data_ptr() % page == 0 for c in copies[:4])
+    assert all(c.untyped_storage().data_ptr() == c.data_ptr() for c in copies[:4])
     assert sum(map(len, pages)) == len(set().union(*pages))
 
 

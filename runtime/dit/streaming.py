@@ -31,6 +31,7 @@ import copy
 import ctypes
 import itertools
 import logging
+import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -554,23 +555,25 @@ PAGE = 4096
 
 def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
-    GIL) ahead of the caller, which takes them in order. The plain ones lie in one allocation
-    asked for huge pages (a 2 MiB page faults in where 512 small ones would), each from a
-    page boundary, so that no two share a page: ComfyUI page-locks each on its own."""
+    GIL) ahead of the caller, which takes them in order. The plain ones lie in one anonymous
+    mapping asked for huge pages (a 2 MiB page faults in where 512 small ones would), each
+    from a page boundary and with a storage of its own: ComfyUI page-locks each on its own,
+    and torch tells a tensor pinned by its storage's start. The mapping goes with the last."""
     plain = [t.is_contiguous() and type(t.detach()) is torch.Tensor for t in tensors]
     sizes = [-(-t.nbytes // PAGE) * PAGE if p else 0 for t, p in zip(tensors, plain, strict=True)]
-    arena = torch.empty(sum(sizes) + PAGE, dtype=torch.uint8)
-    start = -arena.data_ptr() % PAGE
-    _advise(arena[start:], MADV_HUGEPAGE)
-    starts = list(itertools.accumulate(sizes, initial=start))
+    arena = mmap.mmap(-1, max(sum(sizes), PAGE))
+    _advise(torch.frombuffer(arena, dtype=torch.uint8), MADV_HUGEPAGE)
+    starts = list(itertools.accumulate(sizes, initial=0))
 
     def one(i: int) -> torch.Tensor:
         t = tensors[i].detach()
         if not plain[i]:
             return t.clone()
-        out = arena[starts[i] : starts[i] + t.nbytes].view(t.dtype).view(t.shape)
+        if not t.nbytes:
+            return torch.empty_like(t)
+        out = torch.frombuffer(arena, dtype=torch.uint8, count=t.nbytes, offset=starts[i])
         ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
-        return out
+        return out.view(t.dtype).view(t.shape)
 
     with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
         yield from pool.map(one, range(len(tensors)))
@@ -580,7 +583,7 @@ def _advise(t: torch.Tensor, advice: int) -> int:
     """madvise(2) over the whole pages of `t`: the bytes advised, 0 where the OS declines."""
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to load (Windows)
         return 0
     start = -(-t.data_ptr() // PAGE) * PAGE
     end = (t.data_ptr() + t.nbytes) // PAGE * PAGE
