@@ -555,13 +555,15 @@ PAGE = 4096
 
 def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
-    GIL) ahead of the caller, which takes them in order. The plain ones lie in one anonymous
-    mapping asked for huge pages (a 2 MiB page faults in where 512 small ones would), each
+    GIL) ahead of the caller, which takes them in order. The plain ones lie in one private
+    anonymous mapping asked for huge pages (a 2 MiB page faults in where 512 small ones would), each
     from a page boundary and with a storage of its own: ComfyUI page-locks each on its own,
     and torch tells a tensor pinned by its storage's start. The mapping goes with the last."""
     plain = [t.is_contiguous() and type(t.detach()) is torch.Tensor for t in tensors]
     sizes = [-(-t.nbytes // PAGE) * PAGE if p else 0 for t, p in zip(tensors, plain, strict=True)]
-    arena = mmap.mmap(-1, max(sum(sizes), PAGE))
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    # private: a shared one lies in shmem, which the kernel gives no huge pages by default
+    arena = mmap.mmap(-1, max(sum(sizes), PAGE), **({"flags": private} if private else {}))
     _advise(torch.frombuffer(arena, dtype=torch.uint8), MADV_HUGEPAGE)
     starts = list(itertools.accumulate(sizes, initial=0))
 
