@@ -9,6 +9,7 @@ import contextlib
 import copy
 import gc
 import logging
+import mmap
 import threading
 import time
 import weakref
@@ -262,10 +263,18 @@ def test_host_copies_are_not_deep_copied():
     assert model.qwen_turbo.hosts["w"][1] == 1234
 
 
-def test_copies_ahead_lie_on_pages_of_their_own():
-    """Copies hold their sources' bytes, each plain one from a page boundary, sharing no page
-    with another and with a storage of its own (ComfyUI page-locks each on its own, and torch
-    tells a tensor pinned by its storage's start); a strided source is cloned."""
+def test_copies_ahead_lie_on_pages_of_their_own(monkeypatch):
+    """Copies hold their sources' bytes; each plain one starts a page and shares none with
+    another (ComfyUI page-locks each on its own), starts its own storage (torch tells a
+    tensor pinned by its storage's start) and frees its mapping when it goes; a strided
+    source is cloned."""
+    mappings = []
+
+    class Mapping(mmap.mmap):
+        def __init__(self, *args, **kwargs):
+            mappings.append(weakref.ref(self))
+
+    monkeypatch.setattr(streaming.mmap, "mmap", Mapping)
     sources = [torch.randn(n) for n in (1, 1000, 1025, 7)] + [torch.randn(8, 6).t()]
     copies = list(streaming.copies_ahead(sources))
     for source, made in zip(sources, copies, strict=True):
@@ -276,6 +285,9 @@ def test_copies_ahead_lie_on_pages_of_their_own():
     assert all(c.data_ptr() % page == 0 for c in copies[:4])
     assert all(c.untyped_storage().data_ptr() == c.data_ptr() for c in copies[:4])
     assert sum(map(len, pages)) == len(set().union(*pages))
+    assert len(mappings) == 4 and all(m() is not None for m in mappings)
+    del copies[1], made
+    assert mappings[1]() is None and all(m() is not None for m in mappings[2:])
 
 
 def test_uploader_stages_large_plain_host_tensors():

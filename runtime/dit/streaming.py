@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import copy
 import ctypes
-import itertools
 import logging
 import mmap
 import threading
@@ -553,32 +552,28 @@ MADV_HUGEPAGE = 14  # Linux: back this range with transparent huge pages where e
 PAGE = 4096
 
 
+# a private anonymous mapping: a shared one lies in shmem, which gets no huge pages by default
+PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
+
+
 def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
-    GIL) ahead of the caller, which takes them in order. The plain ones lie in one private
-    anonymous mapping asked for huge pages (a 2 MiB page faults in where 512 small ones would), each
-    from a page boundary and with a storage of its own: ComfyUI page-locks each on its own,
-    and torch tells a tensor pinned by its storage's start. The mapping goes with the last."""
-    plain = [t.is_contiguous() and type(t.detach()) is torch.Tensor for t in tensors]
-    sizes = [-(-t.nbytes // PAGE) * PAGE if p else 0 for t, p in zip(tensors, plain, strict=True)]
-    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    # private: a shared one lies in shmem, which the kernel gives no huge pages by default
-    arena = mmap.mmap(-1, max(sum(sizes), PAGE), **({"flags": private} if private else {}))
-    _advise(torch.frombuffer(arena, dtype=torch.uint8), MADV_HUGEPAGE)
-    starts = list(itertools.accumulate(sizes, initial=0))
+    GIL) ahead of the caller, which takes them in order. Each plain one lies in a mapping of
+    its own asked for huge pages (a 2 MiB page faults in where 512 small ones would, and
+    page-locks faster), freed with it."""
 
-    def one(i: int) -> torch.Tensor:
-        t = tensors[i].detach()
-        if not plain[i]:
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_contiguous() or type(t) is not torch.Tensor or not t.nbytes:
             return t.clone()
-        if not t.nbytes:
-            return torch.empty_like(t)
-        out = torch.frombuffer(arena, dtype=torch.uint8, count=t.nbytes, offset=starts[i])
+        pages = mmap.mmap(-1, t.nbytes, **PRIVATE)
+        out = torch.frombuffer(pages, dtype=torch.uint8, count=t.nbytes)
+        _advise(out, MADV_HUGEPAGE)
         ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
         return out.view(t.dtype).view(t.shape)
 
     with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
-        yield from pool.map(one, range(len(tensors)))
+        yield from pool.map(one, tensors)
 
 
 def _advise(t: torch.Tensor, advice: int) -> int:
