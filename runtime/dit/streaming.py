@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import copy
 import ctypes
+import itertools
 import logging
 import mmap
 import threading
@@ -522,6 +523,7 @@ def file_backed(tensors) -> set[int]:
     return backed
 
 
+PAGE = mmap.PAGESIZE
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages are dropped)
 # The file cache of weights now on the GPU is kept only where the host has this much room
 # beside it: a text encoder and a VAE, streamed from their own files, need their pages cached.
@@ -546,34 +548,44 @@ STAGE_MAX = 1 << 28  # larger ones (none in Qwen-Image's DiT) keep the buffer sm
 # Threads filling the buffer. torch's CPU copy takes every core, and with 6 of 16 busy (as a
 # first run's kernel warm-up keeps them) it fell to 2.3 GB/s, below `.to()`'s 5.6-6.7.
 FILL_THREADS = 4
-
-
-MADV_HUGEPAGE = 14  # Linux: back this range with transparent huge pages where enabled
-PAGE = 4096
-
-
+HUGE_PAGE = 2 << 20
 # a private anonymous mapping: a shared one lies in shmem, which gets no huge pages by default
 PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
 
 
 def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of host `tensors`, made on FILL_THREADS threads (ctypes' memmove lets go of the
-    GIL) ahead of the caller, which takes them in order. Each plain one lies in a mapping of
-    its own asked for huge pages (a 2 MiB page faults in where 512 small ones would, and
-    page-locks faster), freed with it."""
+    GIL) ahead of the caller, which takes them in order.
 
-    def one(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if not t.is_contiguous() or type(t) is not torch.Tensor or not t.nbytes:
+    The plain ones lie in one private anonymous mapping asked for huge pages: a 2 MiB page
+    faults in, and is page-locked, where 512 small ones would be (a mapping per copy did not
+    gain; benchmarks/RESULTS.md 7.1). Each starts a page of its own (ComfyUI page-locks each on its own) and a storage
+    of its own (torch tells a tensor pinned by its storage's start), and its pages go back
+    to the OS when it goes."""
+    plain = [
+        t.is_contiguous() and type(t.detach()) is torch.Tensor and t.nbytes > 0 for t in tensors
+    ]
+    sizes = [-(-t.nbytes // PAGE) * PAGE if p else 0 for t, p in zip(tensors, plain, strict=True)]
+    # a multiple of the huge page: the kernel then places the mapping on a huge page's start
+    arena = mmap.mmap(-1, -(-max(sum(sizes), 1) // HUGE_PAGE) * HUGE_PAGE, **PRIVATE)
+    advise = getattr(arena, "madvise", None)  # not on Windows
+    if advise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        advise(mmap.MADV_HUGEPAGE)
+    starts = list(itertools.accumulate(sizes, initial=0))
+
+    def one(i: int) -> torch.Tensor:
+        t = tensors[i].detach()
+        if not plain[i]:
             return t.clone()
-        pages = mmap.mmap(-1, t.nbytes, **PRIVATE)
-        out = torch.frombuffer(pages, dtype=torch.uint8, count=t.nbytes)
-        _advise(out, MADV_HUGEPAGE)
+        pages = memoryview(arena)[starts[i] : starts[i] + t.nbytes]
+        if advise is not None:
+            weakref.finalize(pages, advise, mmap.MADV_DONTNEED, starts[i], sizes[i]).atexit = False
+        out = torch.frombuffer(pages, dtype=torch.uint8)
         ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
         return out.view(t.dtype).view(t.shape)
 
     with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
-        yield from pool.map(one, tensors)
+        yield from pool.map(one, range(len(tensors)))
 
 
 def _advise(t: torch.Tensor, advice: int) -> int:
