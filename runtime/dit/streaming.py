@@ -559,9 +559,9 @@ def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 
     The plain ones lie in one private anonymous mapping asked for huge pages: a 2 MiB page
     faults in, and is page-locked, where 512 small ones would be (a mapping per copy did not
-    gain; benchmarks/RESULTS.md 7.1). Each starts a page of its own (ComfyUI page-locks each on its own) and a storage
-    of its own (torch tells a tensor pinned by its storage's start), and its pages go back
-    to the OS when it goes."""
+    gain; benchmarks/RESULTS.md 7.1). Each starts a page of its own (ComfyUI page-locks each
+    on its own) and a storage of its own (torch tells a tensor pinned by its storage's
+    start), and its pages go back to the OS when it goes."""
     plain = [
         t.is_contiguous() and type(t.detach()) is torch.Tensor and t.nbytes > 0 for t in tensors
     ]
