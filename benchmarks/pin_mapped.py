@@ -9,7 +9,8 @@ piece page-locked:
   huge       one anonymous mapping with transparent huge pages asked for (MADV_HUGEPAGE), each
              piece copied into it on --threads threads, then one cudaHostRegister of it
   copies     the loader's way under dynamic VRAM: copies made on --threads threads
-             (`streaming.copies_ahead`) ahead of the main thread, which registers each in order
+             (`streaming.copies_ahead`, in one mapping asked for huge pages) ahead of the main
+             thread, which registers each in order
   threaded   each piece copied and registered on one of --threads threads
   file       no copy: one cudaHostRegister of the file mapping's span, read-only
              (cudaHostRegisterReadOnly); the mapping private and read-only. Not run by

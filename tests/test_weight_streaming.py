@@ -298,6 +298,23 @@ def test_copies_ahead_lie_on_pages_of_their_own(monkeypatch):
     assert mappings[0]() is None
 
 
+def test_copies_ahead_without_madvise_are_allocated_one_by_one(monkeypatch):
+    """Where pages cannot be given back one copy at a time (no madvise: Windows), each copy
+    is an allocation of its own, freed with it."""
+
+    class Mapping(mmap.mmap):
+        madvise = None
+
+        def __init__(self, *args, **kwargs):
+            pytest.fail("a mapping without madvise would hold every copy until the last goes")
+
+    monkeypatch.setattr(streaming.mmap, "mmap", Mapping)
+    sources = [torch.randn(n) for n in (3, 1025)]
+    copies = list(streaming.copies_ahead(sources))
+    for source, made in zip(sources, copies, strict=True):
+        assert torch.equal(source, made) and source.data_ptr() != made.data_ptr()
+
+
 def test_uploader_stages_large_plain_host_tensors():
     """Through the buffer: contiguous host tensors of 1 MiB and more. Smaller ones, strided
     views and tensor subclasses (quantized layouts) take ComfyUI's `.to()`."""

@@ -562,25 +562,27 @@ def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     gain; benchmarks/RESULTS.md 7.1). Each starts a page of its own (ComfyUI page-locks each
     on its own) and a storage of its own (torch tells a tensor pinned by its storage's
     start), and its pages go back to the OS when it goes."""
-    plain = [
-        t.is_contiguous() and type(t.detach()) is torch.Tensor and t.nbytes > 0 for t in tensors
-    ]
+    plain = [t.is_contiguous() and type(t.detach()) is torch.Tensor and t.nbytes for t in tensors]
     sizes = [-(-t.nbytes // PAGE) * PAGE if p else 0 for t, p in zip(tensors, plain, strict=True)]
-    # a multiple of the huge page: the kernel then places the mapping on a huge page's start
-    arena = mmap.mmap(-1, -(-max(sum(sizes), 1) // HUGE_PAGE) * HUGE_PAGE, **PRIVATE)
-    advise = getattr(arena, "madvise", None)  # not on Windows
-    if advise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-        advise(mmap.MADV_HUGEPAGE)
+    arena = None
+    if getattr(mmap.mmap, "madvise", None) is not None:  # else (Windows) a copy each, freed with it
+        # a multiple of the huge page: the kernel then places the mapping on a huge page's start
+        arena = mmap.mmap(-1, -(-max(sum(sizes), 1) // HUGE_PAGE) * HUGE_PAGE, **PRIVATE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            arena.madvise(mmap.MADV_HUGEPAGE)
     starts = list(itertools.accumulate(sizes, initial=0))
 
     def one(i: int) -> torch.Tensor:
         t = tensors[i].detach()
         if not plain[i]:
             return t.clone()
-        pages = memoryview(arena)[starts[i] : starts[i] + t.nbytes]
-        if advise is not None:
-            weakref.finalize(pages, advise, mmap.MADV_DONTNEED, starts[i], sizes[i]).atexit = False
-        out = torch.frombuffer(pages, dtype=torch.uint8)
+        if arena is None:
+            out = torch.empty(t.nbytes, dtype=torch.uint8)
+        else:
+            pages = memoryview(arena)[starts[i] : starts[i] + t.nbytes]
+            free = weakref.finalize(pages, arena.madvise, mmap.MADV_DONTNEED, starts[i], sizes[i])
+            free.atexit = False
+            out = torch.frombuffer(pages, dtype=torch.uint8)
         ctypes.memmove(out.data_ptr(), t.data_ptr(), t.nbytes)
         return out.view(t.dtype).view(t.shape)
 
