@@ -291,7 +291,7 @@ def test_copies_ahead_lie_on_pages_of_their_own(monkeypatch):
     assert sum(map(len, pages)) == len(set().union(*pages))
     start = copies[1].data_ptr() - copies[0].data_ptr()
     assert len(mappings) == 1 and (mmap.MADV_DONTNEED, start) not in advised
-    del copies[1], made
+    del copies[1]
     assert (mmap.MADV_DONTNEED, start) in advised and mappings[0]() is not None
     copies.clear()
     gc.collect()
