@@ -540,7 +540,18 @@ def page_out(tensors: list[torch.Tensor], model_bytes: int) -> int:
 
     if not tensors or psutil.virtual_memory().available >= model_bytes + PAGE_CACHE_ROOM:
         return 0
-    return sum(_advise(t, MADV_PAGEOUT) for t in tensors)
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):  # no C library to load (Windows)
+        return 0
+    asked = 0
+    for t in tensors:
+        start = -(-t.data_ptr() // PAGE) * PAGE
+        end = (t.data_ptr() + t.nbytes) // PAGE * PAGE
+        if end > start and madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                   MADV_PAGEOUT) == 0:  # fmt: skip
+            asked += end - start
+    return asked
 
 
 STAGE_MIN = 1 << 20  # smaller tensors gain too little from staging to pay its setup
@@ -588,18 +599,6 @@ def copies_ahead(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 
     with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="qwen-turbo-pin") as pool:
         yield from pool.map(one, range(len(tensors)))
-
-
-def _advise(t: torch.Tensor, advice: int) -> int:
-    """madvise(2) over the whole pages of `t`: the bytes advised, 0 where the OS declines."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):  # no C library to load (Windows)
-        return 0
-    start = -(-t.data_ptr() // PAGE) * PAGE
-    end = (t.data_ptr() + t.nbytes) // PAGE * PAGE
-    n = end - start
-    return n if n > 0 and madvise(ctypes.c_void_p(start), ctypes.c_size_t(n), advice) == 0 else 0
 
 
 class Uploader:
