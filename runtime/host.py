@@ -154,6 +154,24 @@ def dynamic_need() -> int | None:
     return None
 
 
+def unload_request() -> int | None:
+    """What ComfyUI's `LoadedModel.model_unload` asks a model to free while it makes room for
+    models that all load their weights on demand (`dynamic_need` not None), read by the
+    model's `loaded_size` that it asks first; None elsewhere and where another node wraps
+    either function."""
+    import comfy.model_management as mm
+
+    unload = getattr(getattr(mm.LoadedModel, "model_unload", None), "__code__", None)
+    if unload is None or "memory_to_free" not in unload.co_varnames:
+        return None
+    try:
+        caller = sys._getframe(2)  # above unload_request: the loaded_size() that asks, its caller
+    except ValueError:  # a shallower stack
+        return None
+    asked = caller.f_locals.get("memory_to_free") if caller.f_code is unload else None
+    return int(asked) if asked is not None and dynamic_need() is not None else None
+
+
 def pinning_disabled() -> bool:
     """Whether ComfyUI runs with --disable-pinned-memory (v0.33; earlier hosts lack it): the
     pack then page-locks no host memory either."""

@@ -726,21 +726,24 @@ def test_fp8_fast_mlp_leaves_row_scales_and_bias_to_the_next_kernel(monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "newcomer", ["on demand", "static", "on demand, free_memory wrapped",
-                 "on demand, load_models_gpu wrapped"],
+    "newcomer", ["on demand", "on demand, larger than the model's share of the card", "static",
+                 "on demand, free_memory wrapped", "on demand, load_models_gpu wrapped"],
 )  # fmt: skip
 def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, narrow_sd, newcomer):
     """ComfyUI's load_models_gpu makes room for another model (a text encoder on a new
     prompt) by asking the loaded models to free memory. Where every model it loads takes its
     weights on demand (v0.33's dynamic VRAM), it leaves such models loaded beside each other;
     the Optimized Loader's model then frees only what the newcomer computes in (the load's
-    minimum, less what is free) and stays loaded. For any other newcomer, or where another node
-    wraps ComfyUI's free_memory (the pack cannot tell), it frees what is asked."""
+    minimum, less what is free) and stays loaded, also where ComfyUI asks for more than the
+    model holds (a 9 GiB text encoder beside 5 GiB of the DiT: ComfyUI would unload it whole).
+    For any other newcomer, or where another node wraps ComfyUI's free_memory (the pack cannot
+    tell), it frees what is asked."""
     if "for_dynamic" not in inspect.signature(mm.free_memory).parameters:
         pytest.skip("this ComfyUI loads no model on demand")
     device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
     patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
-    patcher.model.model_loaded_weight_memory = 50 * GiB  # as if on the card
+    on_card = 5 if "larger" in newcomer else 50
+    patcher.model.model_loaded_weight_memory = on_card * GiB  # as if on the card
     resident = mm.LoadedModel(patcher)
     resident.device, resident.real_model = device, weakref.ref(patcher.model)
     new = comfy.model_patcher.ModelPatcher(
@@ -773,20 +776,25 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
     monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_unload", weights_free)
     mm.load_models_gpu([new], memory_required=3 * GiB)
     minimum = max(mm.minimum_inference_memory(), 3 * GiB + mm.extra_reserved_memory())
-    if newcomer == "on demand":
+    if newcomer.startswith("on demand") and "wrapped" not in newcomer:
         assert asked == [minimum - GiB]
+        assert patcher.loaded_size() == on_card * GiB  # asked anywhere else, what it holds
     else:
         assert asked and asked[0] >= 9 * GiB
     assert resident in mm.current_loaded_models
 
 
-@pytest.mark.parametrize("on_card", ["all", "half", "none", "half, load_models_gpu wrapped"])
+@pytest.mark.parametrize(
+    "on_card",
+    ["all", "half", "none", "half, the rest page-locked", "half, load_models_gpu wrapped"],
+)
 def test_a_load_asks_to_page_lock_only_what_is_off_the_card(monkeypatch, narrow_sd, on_card):
     """ComfyUI's load_models_gpu (v0.33) makes room in page-locked memory, evicting other
     models' pins (a text encoder's), for the whole size of each statically loaded model. The
-    Optimized Loader's model asks for what is not on the card, which ComfyUI pins where a load
-    leaves it offloaded: nothing once it is all there. Where another node wraps
-    load_models_gpu (the pack cannot tell), ComfyUI's request stands."""
+    Optimized Loader's model asks for what is neither on the card nor page-locked already,
+    which ComfyUI pins where a load leaves it offloaded: nothing once it is all there, or the
+    rest pinned by an earlier load. Where another node wraps load_models_gpu (the pack cannot
+    tell), ComfyUI's request stands."""
     if "total_pins_required" not in mm.load_models_gpu.__code__.co_varnames:
         pytest.skip("this ComfyUI pins nothing for statically loaded models")
     device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
@@ -794,6 +802,8 @@ def test_a_load_asks_to_page_lock_only_what_is_off_the_card(monkeypatch, narrow_
     size = patcher.model_size()
     loaded = {"all": size, "half": size // 2}.get(on_card.split(",")[0], 0)
     patcher.model.model_loaded_weight_memory = loaded
+    if "page-locked" in on_card:  # ComfyUI's record of the host weights it pinned
+        patcher.pinned.update(k for k, _ in patcher.model.named_parameters())
     patcher.load_device = device
     resident = mm.LoadedModel(patcher)
     resident.device, resident.real_model = device, weakref.ref(patcher.model)
@@ -812,7 +822,7 @@ def test_a_load_asks_to_page_lock_only_what_is_off_the_card(monkeypatch, narrow_
     monkeypatch.setattr(mm, "ensure_pin_registerable", lambda n, **k: asked.append(n) or True)
     monkeypatch.setattr(mm.LoadedModel, "model_load", lambda self, *a, **k: None)
     mm.load_models_gpu([patcher])
-    want = size - loaded if "wrapped" not in on_card else size
+    want = 0 if "page-locked" in on_card else size - loaded if "wrapped" not in on_card else size
     assert asked == ([want, want] if want else [])  # nothing to pin: no request
     assert patcher.model_size() == size  # asked anything else, the whole size
 

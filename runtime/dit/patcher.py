@@ -106,11 +106,26 @@ class Patcher(comfy.model_patcher.ModelPatcher):
                      "cache of weights on the GPU or copied goes back to the OS")  # fmt: skip
 
     def model_size(self):
-        """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is not on
-        the GPU: ComfyUI pins only weights a load leaves offloaded, and for the whole size of a
-        model already on the card it would evict other models' page-locked weights."""
+        """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is neither
+        on the GPU nor page-locked already: ComfyUI pins only weights a load leaves offloaded,
+        and for the whole size of a model already on the card it would evict other models'
+        page-locked weights (a text encoder's)."""
         size = super().model_size()
-        return size - self.loaded_size() if host.pin_request() else size
+        if not host.pin_request():
+            return size
+        weights = (comfy.utils.get_attr(self.model, k) for k in self.pinned)
+        pinned = sum(w.nbytes for w in weights if w.device.type == "cpu")
+        return max(0, size - self.loaded_size() - pinned)
+
+    def loaded_size(self):
+        """ComfyUI's. Where ComfyUI makes room for models that load their weights on demand (a
+        text encoder or a VAE under dynamic VRAM), its `model_unload` unloads a model whole
+        when it asks for more than the model holds, and the next sampling would load the whole
+        DiT again (10 s at 12 GiB): asked there (`host.unload_request`), it holds at least
+        that much, so that it is asked to free part of it (`partially_unload`)."""
+        size = super().loaded_size()
+        asked = host.unload_request()
+        return size if asked is None else max(size, asked + 1)
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
         """ComfyUI's, from a copy the uploader made where `load` has one: the weight's own
