@@ -785,6 +785,84 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
 
 
 @pytest.mark.parametrize(
+    "beside", ["on demand", "on demand and static", "on demand, load_models_gpu wrapped"]
+)
+def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, narrow_sd, beside):
+    """Loading a statically loaded model again for sampling, ComfyUI's load_models_gpu (v0.33)
+    makes room for its offloaded size on top of what it computes in, unloading for it the text
+    encoder that loads on demand, page-locked weights and all. Beside such models only, the
+    Optimized Loader's model (5 GiB on the card, 1 GiB free, 3.4 GiB to compute in) makes that
+    room of the text encoder's VRAM (4 GiB) and asks ComfyUI for none; its load takes the rest
+    of that VRAM: the text encoder stays loaded. Beside a statically loaded model, or where
+    another node wraps load_models_gpu (the pack cannot tell), ComfyUI's request stands."""
+    if "for_dynamic" not in inspect.signature(mm.free_memory).parameters:
+        pytest.skip("this ComfyUI loads no model on demand")
+    device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
+    patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    patcher.load_device = patcher.model.device = device
+    patcher.size, patcher.model.model_loaded_weight_memory = 20 * GiB, 5 * GiB  # as on a card
+    vram = {"text encoder": 4 * GiB, "static": 2 * GiB}
+    freed, detached, loads = [], [], []
+
+    def loaded(model, name="", size=0, on_demand=False):
+        if model is None:
+            model = comfy.model_patcher.ModelPatcher(torch.nn.Module(), device, device, size)
+            monkeypatch.setattr(model, "is_dynamic", lambda: on_demand)
+            monkeypatch.setattr(model, "loaded_size", lambda: vram[name])
+            monkeypatch.setattr(model, "detach", lambda *a: detached.append(name))
+        entry = mm.LoadedModel(model)
+        entry.device, entry.real_model = device, weakref.ref(model.model)
+        entry.model_finalizer = weakref.finalize(model, lambda: None)
+        return entry
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        if self.model is patcher.model:
+            self.model.model_loaded_weight_memory -= memory_to_free
+            freed.append(("DiT", memory_to_free))
+            return memory_to_free
+        name = "text encoder" if self.size == 9 * GiB else "static"
+        n = min(memory_to_free, vram[name])
+        vram[name] -= n
+        freed.append((name, n))
+        return n
+
+    encoder = loaded(None, "text encoder", 9 * GiB, True)
+    current = [loaded(patcher), encoder]
+    if "static" in beside:
+        current.append(loaded(None, "static", 3 * GiB))
+    monkeypatch.setattr(mm, "current_loaded_models", current)
+    if "wrapped" in beside:
+        wrapped = mm.load_models_gpu
+        monkeypatch.setattr(
+            mm, "load_models_gpu", functools.wraps(wrapped)(lambda *a, **k: wrapped(*a, **k))
+        )
+
+    def free(dev=None, torch_free_too=False):  # 1 GiB and what was freed
+        n = GiB + sum(n for _, n in freed)
+        return (n, n) if torch_free_too else n
+
+    monkeypatch.setattr(mm, "get_free_memory", free)
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NORMAL_VRAM)
+    monkeypatch.setattr(mm, "lowvram_available", True)
+    monkeypatch.setattr(mm, "ensure_pin_budget", lambda *a, **k: True)
+    monkeypatch.setattr(mm, "ensure_pin_registerable", lambda *a, **k: True)
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_unload", partially_unload)
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "partially_load",
+                        lambda self, device, extra, *a, **k: loads.append(extra))  # fmt: skip
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "model_patches_to", lambda *a: None)
+    mm.load_models_gpu([patcher.clone()], memory_required=3 * GiB)
+    room = max(mm.minimum_inference_memory(), 3 * GiB + mm.extra_reserved_memory())
+    if beside == "on demand":
+        assert detached == [] and encoder in mm.current_loaded_models
+        # the room of its VRAM, then the rest of it for weights: ComfyUI's 0.1 "load nothing"
+        assert freed == [("text encoder", room - GiB), ("text encoder", 5 * GiB - room)]
+        assert loads == [pytest.approx(0.1 + 5 * GiB - room)]
+    else:
+        assert "text encoder" in detached  # unloaded whole, its page-locked weights with it
+    assert patcher.loaded_size() == 5 * GiB  # asked anywhere else, what it holds
+
+
+@pytest.mark.parametrize(
     "on_card",
     ["all", "half", "none", "none, some page-locked", "half, load_models_gpu wrapped"],
 )

@@ -122,10 +122,68 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         text encoder or a VAE under dynamic VRAM), its `model_unload` unloads a model whole
         when it asks for more than the model holds, and the next sampling would load the whole
         DiT again (10 s at 12 GiB): asked there (`host.unload_request`), it holds at least
-        that much, so that it is asked to free part of it (`partially_unload`)."""
+        that much, so that it is asked to free part of it (`partially_unload`). Where ComfyUI
+        sums the room to make for this model's next load (`host.room_request`) beside such
+        models only, the model makes that room itself (`_room_beside_on_demand`)."""
         size = super().loaded_size()
         asked = host.unload_request()
-        return size if asked is None else max(size, asked + 1)
+        if asked is not None:
+            return max(size, asked + 1)
+        request = host.room_request()
+        if request is not None and not self._beside_static_models():
+            return self._room_beside_on_demand(*request)
+        return size
+
+    def _room_beside_on_demand(self, extra: int, minimum: int) -> int:
+        """For its offloaded size ComfyUI would unload the models beside it that load on
+        demand whole, a text encoder's page-locked weights with it (2 s to page-lock again at
+        the next prompt). The room the load needs (`minimum`) is made of their VRAM first
+        (their page-locked weights stay), then of this model's own weights, as its load
+        would; what it reports holding then asks ComfyUI for no more (its request is the
+        offloaded size × 1.1 + `extra`, less what is free)."""
+        short = minimum - mm.get_free_memory(self.load_device)
+        if short > 0:
+            short -= self._on_demand_vram(short)
+        if short > 0:
+            self.partially_unload(self.offload_device, short)
+        free = mm.get_free_memory(self.load_device)
+        return self.model_size() + max(0, int((extra - free) / 1.1) + 1)
+
+    def _beside_static_models(self) -> bool:
+        """Whether a model that is not this one's clone and loads statically (not on demand)
+        is loaded on this model's device."""
+        for loaded in mm.current_loaded_models:
+            other = loaded.model
+            if other is None or loaded.device != self.load_device or self.is_clone(other):
+                continue
+            if not getattr(other, "is_dynamic", lambda: False)():
+                return True
+        return False
+
+    def _on_demand_vram(self, wanted: int) -> int:
+        """Up to `wanted` bytes of the VRAM of models on this model's device that load their
+        weights on demand, freed (their page-locked weights stay: they load again from
+        there); what was freed."""
+        freed = 0
+        for loaded in list(mm.current_loaded_models):
+            other = loaded.model
+            if freed >= wanted or other is None or loaded.device != self.load_device:
+                continue
+            if self.is_clone(other) or not getattr(other, "is_dynamic", lambda: False)():
+                continue
+            held = other.loaded_size()
+            if held > 0:
+                freed += other.partially_unload(other.offload_device, min(held, wanted - freed))
+        return freed
+
+    def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
+        """ComfyUI's. Beside models that load their weights on demand only, the VRAM they
+        hold is taken for weights this load would leave offloaded, up to the whole model;
+        their next use loads them again from page-locked memory."""
+        short = self.model_size() - self.loaded_size() - extra_memory
+        if short > 0 and not self._beside_static_models():
+            extra_memory += self._on_demand_vram(short)
+        return super().partially_load(device_to, extra_memory, *args, **kwargs)
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
         """ComfyUI's, from a copy the uploader made where `load` has one: the weight's own
