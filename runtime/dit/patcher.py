@@ -18,6 +18,10 @@ from . import streaming
 log = logging.getLogger(__name__)
 
 
+# room made beyond what a load asks to leave free, so that nothing allocated before ComfyUI
+# checks it leaves it short (it would then unload a model that loads on demand whole)
+ROOM_MARGIN = 64 << 20
+
 # what ComfyUI's ModelPatcher keeps to restore a patched weight (its `backup` entries)
 Backup = collections.namedtuple("Backup", ["weight", "inplace_update"])
 
@@ -137,17 +141,18 @@ class Patcher(comfy.model_patcher.ModelPatcher):
     def _room_beside_on_demand(self, extra: int, minimum: int) -> int:
         """For its offloaded size ComfyUI would unload the models beside it that load on
         demand whole, a text encoder's page-locked weights with it (2 s to page-lock again at
-        the next prompt). The room the load needs (`minimum`) is made of their VRAM first
-        (their page-locked weights stay), then of this model's own weights, as its load
-        would; what it reports holding then asks ComfyUI for no more (its request is the
-        offloaded size × 1.1 + `extra`, less what is free)."""
-        short = minimum - mm.get_free_memory(self.load_device)
+        the next prompt): it unloads whole a model asked for more than its VRAM, and any
+        asked once theirs is freed. The room the load needs (`minimum`, and a margin for
+        what is allocated before ComfyUI checks it) is made of their VRAM first (their
+        page-locked weights stay), then of this model's own weights, as its load would; what
+        it reports holding then makes ComfyUI's request (the offloaded size × 1.1 +
+        `extra`) nothing."""
+        short = minimum + ROOM_MARGIN - mm.get_free_memory(self.load_device)
         if short > 0:
             short -= self._on_demand_vram(short)
         if short > 0:
             self.partially_unload(self.offload_device, short)
-        free = mm.get_free_memory(self.load_device)
-        return self.model_size() + max(0, int((extra - free) / 1.1) + 1)
+        return self.model_size() + int(extra / 1.1) + 1
 
     def _beside_static_models(self) -> bool:
         """Whether a model that is not this one's clone and loads statically (not on demand)
