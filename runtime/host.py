@@ -172,26 +172,27 @@ def unload_request() -> int | None:
     return int(asked) if asked is not None and dynamic_need() is not None else None
 
 
-def room_request() -> tuple[int, int] | None:
-    """Where ComfyUI's `load_models_gpu` (v0.33) sums the room to make for a model already on
-    the card (`total_memory_required`: its offloaded size, freed on top of `extra_mem`,
-    unloading whatever is loaded beside it, models that load on demand too), what it then
-    wants free: (`extra_mem`, `minimum_memory_required`), bytes. Read from the callers'
-    frames, `loaded_size` <- `LoadedModel.model_offloaded_memory` <- `model_memory_required`
-    <- there; None elsewhere, on hosts that load no model on demand and where another node
-    wraps any of them."""
+def room_request(via: str) -> tuple[int, int] | None:
+    """Where ComfyUI's `load_models_gpu` (v0.33) sums the room to make for a model it loads
+    (`total_memory_required`: its offloaded size, or its whole size where it is not on the
+    card yet, freed on top of `extra_mem` by unloading whatever is loaded beside it, models
+    that load on demand too), what it then wants free: (`extra_mem`,
+    `minimum_memory_required`), bytes. Read from the callers' frames: the model's method that
+    asks <- `LoadedModel.<via>` (`model_offloaded_memory` or `model_memory`) <-
+    `model_memory_required` <- there; None elsewhere, on hosts that load no model on demand
+    and where another node wraps any of them."""
     import comfy.model_management as mm
 
     load = getattr(getattr(mm, "load_models_gpu", None), "__code__", None)
     free_memory = getattr(getattr(mm, "free_memory", None), "__code__", None)
     chain = [getattr(getattr(mm.LoadedModel, name, None), "__code__", None)
-             for name in ("model_offloaded_memory", "model_memory_required")]  # fmt: skip
+             for name in (via, "model_memory_required")]  # fmt: skip
     if load is None or None in chain or "total_memory_required" not in load.co_varnames:
         return None
     if free_memory is None or "for_dynamic" not in free_memory.co_varnames:
         return None
     try:
-        frame = sys._getframe(2)  # above room_request: the loaded_size() that asks, its caller
+        frame = sys._getframe(2)  # above room_request: the method that asks, its caller
     except ValueError:  # a shallower stack
         return None
     for code in [*chain, load]:

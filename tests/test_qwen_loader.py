@@ -786,22 +786,27 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
 
 
 @pytest.mark.parametrize(
-    "beside", ["on demand", "on demand and static", "on demand, load_models_gpu wrapped"]
-)
+    "beside", ["on demand", "on demand, first load", "on demand and static",
+               "on demand, load_models_gpu wrapped", "on demand, first load, wrapped"],
+)  # fmt: skip
 def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, narrow_sd, beside):
     """Loading a statically loaded model again for sampling, ComfyUI's load_models_gpu (v0.33)
     makes room for its offloaded size on top of what it computes in, unloading for it the text
     encoder that loads on demand, page-locked weights and all. Beside such models only, the
     Optimized Loader's model (5 GiB on the card, 1 GiB free, 3.4 GiB to compute in) makes that
     room of the text encoder's VRAM (4 GiB) and asks ComfyUI for none; its load takes the rest
-    of that VRAM: the text encoder stays loaded. Beside a statically loaded model, or where
-    another node wraps load_models_gpu (the pack cannot tell), ComfyUI's request stands."""
+    of that VRAM: the text encoder stays loaded. So too at its first load. Beside a statically
+    loaded model, or where another node wraps load_models_gpu (the pack cannot tell),
+    ComfyUI's request stands."""
     if "for_dynamic" not in inspect.signature(mm.free_memory).parameters:
         pytest.skip("this ComfyUI loads no model on demand")
     device = torch.device("meta")  # not the CPU, which load_models_gpu makes no room on
     patcher = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
     patcher.load_device = patcher.model.device = device
-    patcher.size, patcher.model.model_loaded_weight_memory = 20 * GiB, 5 * GiB  # as on a card
+    first = "first load" in beside
+    patcher.size, patcher.model.model_loaded_weight_memory = 20 * GiB, 0 if first else 5 * GiB
+    if first:  # not on the card yet
+        patcher.model.device = torch.device("cpu")
     vram = {"text encoder": 4 * GiB, "static": 2 * GiB}
     freed, detached, loads = [], [], []
 
@@ -828,7 +833,7 @@ def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, nar
         return n
 
     encoder = loaded(None, "text encoder", 9 * GiB, True)
-    current = [loaded(patcher), encoder]
+    current = [encoder] if first else [loaded(patcher), encoder]
     if "static" in beside:
         current.append(loaded(None, "static", 3 * GiB))
     monkeypatch.setattr(mm, "current_loaded_models", current)
@@ -856,7 +861,7 @@ def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, nar
     monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "model_patches_to", lambda *a: None)
     mm.load_models_gpu([patcher.clone()], memory_required=3 * GiB)
     room = max(mm.minimum_inference_memory(), 3 * GiB + mm.extra_reserved_memory())
-    if beside == "on demand":
+    if beside in ("on demand", "on demand, first load"):
         assert detached == [] and encoder in mm.current_loaded_models
         # the room of its VRAM, then the rest of it for weights: ComfyUI's 0.1 "load nothing"
         room += patcher_module.ROOM_MARGIN
@@ -864,7 +869,8 @@ def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, nar
         assert vram["text encoder"] == 0 and loads[0] > 0.1  # the rest went to the weights
     else:
         assert "text encoder" in detached  # unloaded whole, its page-locked weights with it
-    assert patcher.loaded_size() == 5 * GiB  # asked anywhere else, what it holds
+    assert patcher.loaded_size() == (0 if first else 5 * GiB)  # asked anywhere else, as is
+    assert patcher.model_size() == 20 * GiB
 
 
 @pytest.mark.parametrize(

@@ -113,8 +113,12 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         """ComfyUI's; asked what a load will page-lock (`host.pin_request`), what is neither
         on the GPU nor page-locked already: ComfyUI pins only weights a load leaves offloaded,
         and for the whole size of a model already on the card it would evict other models'
-        page-locked weights (a text encoder's)."""
+        page-locked weights (a text encoder's). Asked the room for its first load beside
+        models that load on demand only (`host.room_request`), see `_room_beside_on_demand`."""
         size = super().model_size()
+        request = host.room_request("model_memory")  # the room for a first load
+        if request is not None and not self._beside_static_models():
+            return -self._room_beside_on_demand(*request)
         if not host.pin_request():
             return size
         weights = (comfy.utils.get_attr(self.model, k) for k in self.pinned)
@@ -133,26 +137,27 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         asked = host.unload_request()
         if asked is not None:
             return max(size, asked + 1)
-        request = host.room_request()
+        request = host.room_request("model_offloaded_memory")
         if request is not None and not self._beside_static_models():
-            return self._room_beside_on_demand(*request)
+            return self.model_size() + self._room_beside_on_demand(*request)
         return size
 
     def _room_beside_on_demand(self, extra: int, minimum: int) -> int:
-        """For its offloaded size ComfyUI would unload the models beside it that load on
-        demand whole, a text encoder's page-locked weights with it (2 s to page-lock again at
-        the next prompt): it unloads whole a model asked for more than its VRAM, and any
+        """For the size of what it loads ComfyUI would unload the models beside it that load
+        on demand whole, a text encoder's page-locked weights with it (2 s to page-lock again
+        at the next prompt): it unloads whole a model asked for more than its VRAM, and any
         asked once theirs is freed. The room the load needs (`minimum`, and a margin for
         what is allocated before ComfyUI checks it) is made of their VRAM first (their
-        page-locked weights stay), then of this model's own weights, as its load would; what
-        it reports holding then makes ComfyUI's request (the offloaded size × 1.1 +
-        `extra`) nothing."""
+        page-locked weights stay), then of this model's own weights, as its load would. The
+        bytes returned, reported as the size it would load less nothing, make ComfyUI's
+        request (that size × 1.1 + `extra`) nothing; the load then takes their VRAM
+        (`partially_load`)."""
         short = minimum + ROOM_MARGIN - mm.get_free_memory(self.load_device)
         if short > 0:
             short -= self._on_demand_vram(short)
-        if short > 0:
+        if short > 0 and super().loaded_size() > 0:
             self.partially_unload(self.offload_device, short)
-        return self.model_size() + int(extra / 1.1) + 1
+        return int(extra / 1.1) + 1
 
     def _beside_static_models(self) -> bool:
         """Whether a model that is not this one's clone and loads statically (not on demand)
