@@ -154,6 +154,20 @@ def dynamic_need() -> int | None:
     return None
 
 
+def _called_through(*codes):
+    """The frame of the last of `codes` where the method that asks (the caller of the reader
+    that calls this) was called through them in turn, innermost first; None otherwise."""
+    try:
+        frame = sys._getframe(3)  # the caller of the method that asks
+    except ValueError:  # a shallower stack
+        return None
+    for code in codes:
+        if code is None or frame is None or frame.f_code is not code:
+            return None
+        last, frame = frame, frame.f_back
+    return last
+
+
 def unload_request() -> int | None:
     """What ComfyUI's `LoadedModel.model_unload` asks a model to free while it makes room for
     models that all load their weights on demand (`dynamic_need` not None), read by the
@@ -164,11 +178,8 @@ def unload_request() -> int | None:
     unload = getattr(getattr(mm.LoadedModel, "model_unload", None), "__code__", None)
     if unload is None or "memory_to_free" not in unload.co_varnames:
         return None
-    try:
-        caller = sys._getframe(2)  # above unload_request: the loaded_size() that asks, its caller
-    except ValueError:  # a shallower stack
-        return None
-    asked = caller.f_locals.get("memory_to_free") if caller.f_code is unload else None
+    caller = _called_through(unload)
+    asked = caller.f_locals.get("memory_to_free") if caller is not None else None
     return int(asked) if asked is not None and dynamic_need() is not None else None
 
 
@@ -187,18 +198,13 @@ def room_request(via: str) -> tuple[int, int] | None:
     free_memory = getattr(getattr(mm, "free_memory", None), "__code__", None)
     chain = [getattr(getattr(mm.LoadedModel, name, None), "__code__", None)
              for name in (via, "model_memory_required")]  # fmt: skip
-    if load is None or None in chain or "total_memory_required" not in load.co_varnames:
+    if load is None or "total_memory_required" not in load.co_varnames:
         return None
     if free_memory is None or "for_dynamic" not in free_memory.co_varnames:
         return None
-    try:
-        frame = sys._getframe(2)  # above room_request: the method that asks, its caller
-    except ValueError:  # a shallower stack
+    caller = _called_through(*chain, load)
+    if caller is None:
         return None
-    for code in [*chain, load]:
-        if frame is None or frame.f_code is not code:
-            return None
-        caller, frame = frame, frame.f_back
     extra, minimum = (caller.f_locals.get(k) for k in ("extra_mem", "minimum_memory_required"))
     return None if extra is None or minimum is None else (int(extra), int(minimum))
 
@@ -223,15 +229,9 @@ def pin_request() -> bool:
     memory = getattr(getattr(mm.LoadedModel, "model_memory", None), "__code__", None)
     if load is None or memory is None or "total_pins_required" not in load.co_varnames:
         return False
-    try:
-        caller = sys._getframe(2)  # above pin_request: the model_size() that asks, its caller
-    except ValueError:  # a shallower stack
-        return False
-    if caller.f_code is not memory or caller.f_back is None:
-        return False
-    frame = caller.f_back
+    frame = _called_through(memory, load)
     # the pins' sum precedes the loads, whose RAM log line also asks (with `vram_used` set)
-    return frame.f_code is load and "vram_used" not in frame.f_locals
+    return frame is not None and "vram_used" not in frame.f_locals
 
 
 def is_oom(e: BaseException) -> bool:

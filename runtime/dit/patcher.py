@@ -117,7 +117,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         models that load on demand only (`host.room_request`), see `_room_beside_on_demand`."""
         size = super().model_size()
         request = host.room_request("model_memory")  # the room for a first load
-        if request is not None and not self._beside_static_models():
+        if request is not None and not self._beside(on_demand=False):
             return -self._room_beside_on_demand(*request)
         if not host.pin_request():
             return size
@@ -138,7 +138,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         if asked is not None:
             return max(size, asked + 1)
         request = host.room_request("model_offloaded_memory")
-        if request is not None and not self._beside_static_models():
+        if request is not None and not self._beside(on_demand=False):
             return self.model_size() + self._room_beside_on_demand(*request)
         return size
 
@@ -159,30 +159,22 @@ class Patcher(comfy.model_patcher.ModelPatcher):
             self.partially_unload(self.offload_device, short)
         return int(extra / 1.1) + 1
 
-    def _beside_static_models(self) -> bool:
-        """Whether a model that is not this one's clone and loads statically (not on demand)
-        is loaded on this model's device."""
-        for loaded in mm.current_loaded_models:
-            other = loaded.model
-            if other is None or loaded.device != self.load_device or self.is_clone(other):
-                continue
-            if not getattr(other, "is_dynamic", lambda: False)():
-                return True
-        return False
+    def _beside(self, on_demand: bool) -> list:
+        """The models ComfyUI has loaded on this model's device, other than its clones, that
+        load their weights on demand (or statically)."""
+        models = (loaded.model for loaded in mm.current_loaded_models
+                  if loaded.device == self.load_device)  # fmt: skip
+        return [m for m in models if m is not None and not self.is_clone(m)
+                and getattr(m, "is_dynamic", lambda: False)() == on_demand]  # fmt: skip
 
     def _on_demand_vram(self, wanted: int) -> int:
         """Up to `wanted` bytes of the VRAM of models on this model's device that load their
         weights on demand, freed (their page-locked weights stay: they load again from
         there); what was freed."""
         freed = 0
-        for loaded in list(mm.current_loaded_models):
-            other = loaded.model
-            if freed >= wanted or other is None or loaded.device != self.load_device:
-                continue
-            if self.is_clone(other) or not getattr(other, "is_dynamic", lambda: False)():
-                continue
+        for other in self._beside(on_demand=True):
             held = other.loaded_size()
-            if held > 0:
+            if freed < wanted and held > 0:
                 freed += other.partially_unload(other.offload_device, min(held, wanted - freed))
         return freed
 
@@ -191,7 +183,7 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         hold is taken for weights this load would leave offloaded, up to the whole model;
         their next use loads them again from page-locked memory."""
         short = self.model_size() - self.loaded_size() - extra_memory
-        if short > 0 and not self._beside_static_models():
+        if short > 0 and not self._beside(on_demand=False):
             extra_memory += self._on_demand_vram(short)
         return super().partially_load(device_to, extra_memory, *args, **kwargs)
 
