@@ -58,6 +58,52 @@ def test_without_outliers_no_block_is_marked(narrow_sd):
     assert result.kept == [] and max(result.errors) < 0.15, result.errors
 
 
+def test_the_safe_forward_takes_the_reference_attention(narrow_sd, monkeypatch):
+    """The safe path's attention in the probe is `unbuilt_override`'s, and with ComfyUI's
+    attention as the lossy one the rerun takes it too: one call a block and pass."""
+    calls = []
+
+    def counted():
+        reference = attention.unbuilt_override()
+
+        def override(func, *args, **kwargs):
+            calls.append(kwargs["transformer_options"].get("block_index"))
+            return reference(func, *args, **kwargs)
+
+        return override
+
+    monkeypatch.setattr(probe, "unbuilt_override", counted)
+    model = loader.build(dict(narrow_sd), config.read_config(narrow_sd), "fp8_e4m3fn")
+    result = probe.measure(model.model, torch.device("cpu"), None, 0.15)
+    assert sorted(calls) == [0, 0, 1, 1] and result.kept == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_reference_attention_is_not_cudnns():
+    """torch's cuDNN attention builds a graph at a process's first call (0.83 s on an H100),
+    and torch takes it first on Hopper whatever priority is asked: at the probe's shape the
+    reference runs another exact kernel, within bf16's rounding of float32 attention."""
+    q, k, v = (torch.randn(1, 1088, 24 * 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def heads(*ts):
+        return [t.view(1, -1, 24, 128).transpose(1, 2) for t in ts]
+
+    def ops(call):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = call()
+        return out, {e.key for e in prof.key_averages()}
+
+    if torch.cuda.get_device_capability() >= (9, 0):  # where torch would take cuDNN's
+        assert any("cudnn_attention" in op for op in ops(lambda: sdpa(*heads(q, k, v)))[1])
+    out, used = ops(lambda: attention.unbuilt_override()(None, q, k, v, 24))
+    assert not any("cudnn_attention" in op for op in used), used
+    ref = sdpa(*heads(q.float(), k.float(), v.float())).transpose(1, 2).reshape(out.shape)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2**-7
+
+
 def test_kept_blocks_compute_on_the_safe_path(narrow_sd):
     """A kept block's fp8 layers compute in bf16 and its attention is ComfyUI's (the loader's
     override steps aside for it); other blocks keep the override."""

@@ -20,6 +20,10 @@ BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
 }  # fmt: skip
+# Exact attention whose first call builds nothing: torch's cuDNN bf16 attention builds a graph
+# at a process's first call (0.83 s on an H100), and torch 2.11 puts cuDNN first on Hopper at
+# its first backend choice whatever priority was asked, so cuDNN is left out, not put last.
+UNBUILT = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def comfy_signature(core):
@@ -79,6 +83,21 @@ def attention_override(name: str, amax_group=None, safe_blocks: set[int] = froze
         core = quantized(functools.partial(QUANTIZED[name], amax_group=group))
     else:
         core = sdpa(BACKENDS[name])
+    override = _override(core, safe_blocks)
+    override.backend = name  # what a Multi-GPU worker rebuilds it from
+    override.collective = amax_group is not None and name in QUANTIZED
+    return override
+
+
+def unbuilt_override():
+    """An override running exact SDPA on the `UNBUILT` backends: the fidelity probe's
+    reference."""
+    return _override(sdpa(UNBUILT))
+
+
+def _override(core, safe_blocks: set[int] = frozenset()):
+    """`core` with ComfyUI's signature as an attention override; ComfyUI's own attention for
+    the transformer blocks in `safe_blocks`."""
     attention = comfy_signature(core)
 
     def override(func, *args, **kwargs):
@@ -88,6 +107,4 @@ def attention_override(name: str, amax_group=None, safe_blocks: set[int] = froze
         kwargs.pop("transformer_options", None)
         return attention(*args, **kwargs)
 
-    override.backend = name  # what a Multi-GPU worker rebuilds it from
-    override.collective = amax_group is not None and name in QUANTIZED
     return override

@@ -1,6 +1,7 @@
 """The fidelity probe: the Optimized Loader's lossy compute (fp8 GEMMs with quantized activations,
 fp8 attention) measured on the user's own weights, block by block, against the safe path (bf16
-compute, ComfyUI's attention).
+compute, exact attention: SDPA without cuDNN's backend, whose first call would build a graph
+that only the probe needs).
 
 One forward at a small size with fixed inputs runs on the safe path; as each transformer block
 finishes, it runs again lossy on a copy of its inputs. A block whose own
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import fp8
-from .attention import OVERRIDE
+from .attention import OVERRIDE, unbuilt_override
 
 log = logging.getLogger(__name__)
 STREAMS = ("encoder_hidden_states", "hidden_states")  # a block returns them in this order
@@ -95,7 +96,8 @@ def measure(model, device, override, threshold: float) -> Fidelity:
         streamer.after = rerun
     try:
         with torch.inference_mode(), fp8.safe_compute():
-            model.apply_model(x, sigma, c_crossattn=ctx, transformer_options={})
+            options = {OVERRIDE: unbuilt_override()}
+            model.apply_model(x, sigma, c_crossattn=ctx, transformer_options=options)
     finally:
         for h in handles:
             h.remove()
