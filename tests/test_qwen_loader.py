@@ -794,7 +794,7 @@ def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, nar
     makes room for its offloaded size on top of what it computes in, unloading for it the text
     encoder that loads on demand, page-locked weights and all. Beside such models only, the
     Optimized Loader's model (5 GiB on the card, 1 GiB free, 3.4 GiB to compute in) makes that
-    room, and the offload buffer its load keeps out of what it is given, of the text encoder's
+    room, with the offload buffer its load keeps out of what it is given, of the text encoder's
     VRAM (4 GiB) and asks ComfyUI for none; its load takes the rest of that VRAM: the text
     encoder stays loaded. So too at its first load. Beside a statically
     loaded model, or where another node wraps load_models_gpu (the pack cannot tell),
@@ -867,7 +867,7 @@ def test_a_sampling_load_keeps_a_text_encoder_loading_on_demand(monkeypatch, nar
     if beside in ("on demand", "on demand, first load"):
         assert detached == [] and encoder in mm.current_loaded_models
         # the room of its VRAM, then the rest of it for weights: ComfyUI's 0.1 "load nothing"
-        room += patcher_module.ROOM_MARGIN + (0 if first else GiB // 4)
+        room += GiB // 4 if not first else patcher_module.ROOM_MARGIN
         assert freed[0][0] == "text encoder" and freed[0][1] >= room - GiB and len(freed) == 2
         assert vram["text encoder"] == 0 and loads[0] > 0.1  # the rest went to the weights
     else:

@@ -151,11 +151,12 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         page-locked weights stay), then of this model's own weights, as its load would. The
         bytes returned, reported as the size it would load less nothing, make ComfyUI's
         request (that size × 1.1 + `extra`) nothing; the load then takes their VRAM
-        (`partially_load`). ComfyUI's load keeps room for its offload buffer out of what it is
-        given: made here too, else each load would leave that much less of the weights
-        counted as loaded (54 MB a run at 1328², 12 GiB)."""
+        (`partially_load`). ComfyUI's load keeps its offload buffer out of what it is given, so
+        the room covers the buffer where that exceeds the margin: made smaller, each load
+        would count that much less of the weights as loaded, leaving them on the GPU (54 MB
+        a run at 1328², 12 GiB); larger, each would unload weights only to load them again."""
         buffer = getattr(self.model, "model_offload_buffer_memory", 0)
-        short = minimum + ROOM_MARGIN + buffer - mm.get_free_memory(self.load_device)
+        short = minimum + max(ROOM_MARGIN, buffer) - mm.get_free_memory(self.load_device)
         if short > 0:
             short -= self._on_demand_vram(short)
         if short > 0 and super().loaded_size() > 0:
