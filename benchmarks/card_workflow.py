@@ -317,7 +317,19 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         # the allocator freed its cache and retried (synchronizing): memory ran short
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         if cuda else None,
+        # at the end of the run: what torch has allocated (the filler in it), and each
+        # loaded model's VRAM as ComfyUI counts it (MB)
+        "allocated_gib": round(torch.cuda.memory_allocated() / GiB, 2) if cuda else None,
+        "loaded_mb": loaded_models_mb(),
     }  # fmt: skip
+
+
+def loaded_models_mb() -> dict:
+    """Each model ComfyUI has loaded, by its class's name: its VRAM as ComfyUI counts it."""
+    import comfy.model_management as mm
+
+    return {type(m.model.model).__name__: round(m.model.loaded_size() / 2**20)
+            for m in mm.current_loaded_models if m.model is not None}  # fmt: skip
 
 
 def host_memory() -> dict:

@@ -142,6 +142,7 @@ def test_edit_workflow_runs_stock_and_pack(comfy):
         sampler = "QwenTurboCUDAGraphSampler" if variant == "pack" else "KSampler"
         assert {encode, sampler, "QwenTurboTestEditConditioning"} <= first["nodes"].keys()
         assert card.comfy_estimate_gib(api) is not None  # the documented command's estimate
+        assert first["loaded_mb"]["QwenImage"] > 0  # the DiT's share as ComfyUI counts it
         later = card.run_once(executor, server, api, 2, 0)
         assert later["ok"], (variant, later)
         assert sampler in later["nodes"] and encode not in later["nodes"]
