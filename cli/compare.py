@@ -61,8 +61,6 @@ def _run(api: dict, side: str):
 def compare(workflow: Path, prompt: str | None, seed: int | None) -> int:
     """Run both sides and report; 0 on success, 2 for missing files, no pack node or no kornia,
     1 on an error in a run."""
-    from PIL import Image
-
     try:
         import kornia.metrics  # noqa: F401
     except ImportError:
@@ -72,8 +70,15 @@ def compare(workflow: Path, prompt: str | None, seed: int | None) -> int:
     api = headless.load_workflow(workflow)
     if api is None:
         return 2
+    return compare_graph(api, workflow.name, prompt, seed)
+
+
+def compare_graph(api: dict, name: str, prompt: str | None, seed: int | None) -> int:
+    """`compare` on the API-format graph of workflow `name`."""
+    from PIL import Image
+
     if not any(n["class_type"] in STOCK for n in api.values()):
-        print(f"{workflow.name} has no Qwen Turbo node to compare with stock", flush=True)
+        print(f"{name} has no Qwen Turbo node to compare with stock", flush=True)
         return 2
     headless.set_prompt_and_seed(api, prompt, seed)
     runs = {}
@@ -105,6 +110,6 @@ def compare(workflow: Path, prompt: str | None, seed: int | None) -> int:
               + (f", {r['difference']}" if "difference" in r else ""))  # fmt: skip
     print(f"time, each from nothing loaded: stock {stock_s:.2f} s, pack {pack_s:.2f} s "
           f"({stock_s / pack_s:.2f}x)")  # fmt: skip
-    print(json.dumps({"workflow": workflow.name, "stock_s": round(stock_s, 2),
+    print(json.dumps({"workflow": name, "stock_s": round(stock_s, 2),
                       "pack_s": round(pack_s, 2), "pictures": rows}))  # fmt: skip
     return 0

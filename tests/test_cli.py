@@ -13,8 +13,12 @@ import pytest
 
 import nodes
 from qwen_turbo.cli import compare, headless
+from qwen_turbo.cli.workflow import object_info, ui_to_api
 from qwen_turbo.nodes import NODES
+from tests.harness import models
 from tests.harness.comfyui import COMFY, ROOT
+from tests.harness.workflows import WORKFLOWS as BUNDLED
+from tests.harness.workflows import link_edit_2511, put_input_image, scaled_for_cpu
 
 WORKFLOWS = ROOT / "workflows"
 
@@ -132,17 +136,20 @@ def test_a_workflow_saved_before_a_node_gained_optional_widgets_converts():
 @pytest.fixture
 def executor_setup(models_dir, tmp_path, monkeypatch):
     """ComfyUI's node table with the pack's and the test conditioning; the tiny models as the
-    diffusion_models and vae folders; tmp_path as the output folder."""
+    diffusion_models, vae and loras folders; tmp_path as the output folder, its input/ as the
+    input folder."""
     from tests.testing_nodes import TestConditioning
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
     for node in [*NODES, TestConditioning]:
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.define_schema().node_id, node)
-    for kind in ("diffusion_models", "vae"):
+    for kind in ("diffusion_models", "vae", "loras"):
         paths = ([str(models_dir / kind)], {".safetensors"})
         monkeypatch.setitem(folder_paths.folder_names_and_paths, kind, paths)
     monkeypatch.setattr(folder_paths, "filename_list_cache", {})
     monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path))
+    (tmp_path / "input").mkdir()
+    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
 
 
 def test_run_executes_a_workflow(executor_setup, tmp_path, capsys):
@@ -189,6 +196,24 @@ def test_compare_runs_stock_and_pack(executor_setup, capsys):
         assert "/stock_" in r["stock"] and "/pack_" in r["pack"]
         assert os.path.exists(r["difference"])
     assert result["stock_s"] > 0 and result["pack_s"] > 0 and "stock" in out and "x)" in out
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.stem)
+def test_compare_runs_every_bundled_workflow(executor_setup, models_dir, tmp_path, capsys, path):
+    """compare on each bundled workflow scaled to the tiny models (test conditioning for the
+    text encoder): both sides run, and each saved picture is paired with a difference picture
+    and its PSNR and SSIM."""
+    if "edit_2511" in path.stem and not models.host_runs_edit_2511():
+        pytest.skip("this ComfyUI cannot run Qwen-Image-Edit-2511 (see test_workflows)")
+    link_edit_2511(models_dir)
+    put_input_image(tmp_path / "input")
+    ui = json.loads(path.read_text())
+    api = scaled_for_cpu(ui_to_api(ui, object_info(nodes.NODE_CLASS_MAPPINGS)))
+    assert compare.compare_graph(api, path.name, prompt=None, seed=3) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["workflow"] == path.name and result["pictures"]
+    for r in result["pictures"]:
+        assert "error" not in r and r["ssim"] > 0 and os.path.exists(r["difference"]), r
 
 
 def test_roofline_counts_the_forwards_flops():

@@ -15,7 +15,13 @@ from PIL import Image
 from qwen_turbo.cli.workflow import ui_to_api
 from tests.harness import models
 from tests.harness.comfyui import ROOT
-from tests.harness.workflows import SCALED, WORKFLOWS, put_input_image, scaled_for_cpu
+from tests.harness.workflows import (
+    SCALED,
+    WORKFLOWS,
+    link_edit_2511,
+    put_input_image,
+    scaled_for_cpu,
+)
 
 LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "image"}
@@ -139,10 +145,8 @@ def test_full_size_graph_is_valid(comfy_server, path):
 def test_workflow_runs_on_tiny_models(comfy_server, models_dir, path):
     ui = json.loads(path.read_text())
     api = scaled_for_cpu(ui_to_api(ui, comfy_server.get("/object_info")))
-    put_input_image(comfy_server)
-    edit_2511 = models.qwen_dit_variant_file("edit_2511")
-    (models_dir / "diffusion_models" / edit_2511.name).unlink(missing_ok=True)
-    (models_dir / "diffusion_models" / edit_2511.name).symlink_to(edit_2511)
+    put_input_image(comfy_server.base / "input")
+    link_edit_2511(models_dir)
     if "edit_2511" in path.stem and not models.host_runs_edit_2511():
         with pytest.raises(RuntimeError, match="QwenTurboLoader.*Qwen-Image-Edit-2511 needs "
                            "default_ref_method.*update ComfyUI"):  # fmt: skip

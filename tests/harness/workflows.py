@@ -1,5 +1,7 @@
 """The bundled workflows, and their API graphs scaled down to run on the tiny models on CPU."""
 
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
@@ -52,11 +54,17 @@ def scaled_for_cpu(api: dict) -> dict:
     return out
 
 
-def put_input_image(server) -> None:
-    """INPUT_IMAGE in the server's input folder: a gradient with seeded noise."""
-    folder = server.base / "input"
+def put_input_image(folder: Path) -> None:
+    """INPUT_IMAGE in ComfyUI's input `folder`: a gradient with seeded noise."""
     folder.mkdir(exist_ok=True)
     ramp = np.linspace(0, 255, 96)
     pixels = np.stack([*np.meshgrid(ramp, ramp[::-1]), np.full((96, 96), 128.0)], axis=-1)
     pixels += np.random.default_rng(0).normal(0, 20, pixels.shape)
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / INPUT_IMAGE)
+
+
+def link_edit_2511(models_dir: Path) -> None:
+    """The tiny Qwen-Image-Edit-2511 DiT among the models' diffusion_models."""
+    edit_2511 = models.qwen_dit_variant_file("edit_2511")
+    (models_dir / "diffusion_models" / edit_2511.name).unlink(missing_ok=True)
+    (models_dir / "diffusion_models" / edit_2511.name).symlink_to(edit_2511)
