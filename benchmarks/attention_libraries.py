@@ -65,6 +65,23 @@ def flashinfer_fa3():
     return kernel
 
 
+def flash_attn_3():
+    """FlashAttention-3's forward (`flash_attn_interface`, built from the hopper/ folder of
+    Dao-AILab/flash-attention) as `run(q, k, v, descales=None)` over (B, L, H, D) tensors, the
+    descales (3, B, H) for fp8 ones, or why it cannot run."""
+    try:
+        from flash_attn_interface import flash_attn_func
+    except Exception as e:
+        return f"flash-attn-3 not importable: {type(e).__name__}: {e}"
+
+    def run(q, k, v, descales=None):
+        d = [None] * 3 if descales is None else descales
+        out = flash_attn_func(q, k, v, q_descale=d[0], k_descale=d[1], v_descale=d[2])
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 def heads_first(*tensors):
     return [t.transpose(1, 2) for t in tensors]
 
@@ -109,16 +126,31 @@ def variants():
 
     found = {"pack fp8_cudnn": pack, "torch sdpa bf16": sdpa, "flash-attn-4 bf16": fa4(),
              "cudnn fp8 kernel": kernel_alone(cudnn_kernel)}  # fmt: skip
-    fa3 = flashinfer_fa3()
+    fa3 = flash_attn_3()
     if isinstance(fa3, str):
-        return found | {"flashinfer fa3 fp8": fa3}
+        found |= {"flash-attn-3": fa3}
+    else:
 
-    def flashinfer(q, k, v):
+        def fa3_fp8(q8, k8, v8, scales):
+            b, h = q8.shape[0], q8.shape[2]
+            return fa3(q8, k8, v8, scales[:3, None, None].expand(3, b, h).contiguous())
+
+        found |= {"flash-attn-3 bf16": fa3, **fp8_rows("flash-attn-3 fp8", fa3_fp8)}
+    fi = flashinfer_fa3()
+    return found | (
+        {"flashinfer fa3 fp8": fi} if isinstance(fi, str) else fp8_rows("flashinfer fa3 fp8", fi)
+    )
+
+
+def fp8_rows(name: str, kernel) -> dict:
+    """A bf16-out fp8 `kernel` with the pack's passes around it (its quantize, then v's channel
+    means added back), and alone."""
+
+    def whole(q, k, v):
         (q8, k8, v8), scales, v_mean = quantized(q, k, v)
-        return fa3(q8, k8, v8, scales) + v_mean.unsqueeze(1).to(torch.bfloat16)
+        return kernel(q8, k8, v8, scales) + v_mean.unsqueeze(1).to(torch.bfloat16)
 
-    alone = kernel_alone(fa3)
-    return found | {"flashinfer fa3 fp8": flashinfer, "flashinfer fa3 fp8 kernel": alone}
+    return {name: whole, f"{name} kernel": kernel_alone(kernel)}
 
 
 def measure(fn, q, k, v, exact, repeats=20) -> dict:

@@ -41,6 +41,9 @@ VARIANTS = {
     "fp8_fast fused fp8_cudnn": ("pack", "fp8_e4m3fn_fast", "fp8_cudnn", True, "off"),
     # the Optimized Loader's model as it loads: the fused blocks replay graphs when eager
     "fp8_fast fused fp8_cudnn, block graphs": ("pack", "fp8_e4m3fn_fast", "fp8_cudnn", True, "off"),
+    # fp8: FlashAttention-3's kernel where it is installed on Hopper (the workflows' setting)
+    "fp8_fast fused fp8": ("pack", "fp8_e4m3fn_fast", "fp8", True, "off"),
+    "fp8_fast fused fp8, block graphs": ("pack", "fp8_e4m3fn_fast", "fp8", True, "off"),
 }
 
 

@@ -215,13 +215,13 @@ def bench_rows(size: int, layers: int) -> list[dict]:
     ms_stock, ref = timed(forward_fn(stock, size))
     del stock
     mm.unload_all_models()
-    for attention in ("sdpa", "fp8_cudnn") if cuda else ("sdpa",):
+    for attention in ("sdpa", "fp8") if cuda else ("sdpa",):
         pack = loader.build(dict(sd), read_config(sd), weights)
         loader.add_fused_blocks(pack)
         loader.set_attention(pack, attention)
         mm.load_models_gpu([pack])
         ms_pack, out = timed(forward_fn(pack, size))
-        what = ", the bundled workflows' path" if attention == "fp8_cudnn" else ""
+        what = ", the bundled workflows' path" if attention == "fp8" else ""
         rows.append({"what": f"DiT forward, {layers} layers", "stock_ms": ms_stock,
                      "pack_ms": ms_pack, "pack": f"Optimized Loader {weights}, fused, "
                      f"{attention}{what}", "rel_l2": rel_l2(out, ref)})  # fmt: skip

@@ -25,6 +25,13 @@ for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 atten
 (benchmarks/RESULTS.md). At L = 7,145 the passes around the kernel (0.5 ms) eat its gain.
 Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: each of
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
+
+On Hopper, where FlashAttention-3 is installed (`flash_attn_interface`, built from the
+hopper/ folder of Dao-AILab/flash-attention with fp8; not on PyPI), kernel "auto" runs its
+fp8 forward instead of cuDNN's graph, on the same quantized q, k, v and scales: its O comes
+out in bf16, and the last pass only adds v's means. Its kernel took 8.15 ms against cuDNN's
+9.11 at L = 24,905 and 1.42 against 1.73 ms at 2 × 7,145 on an H100, with cuDNN's error
+(benchmarks/RESULTS.md 3.12). If its first call fails, cuDNN runs from then on.
 """
 
 import atexit
@@ -54,6 +61,11 @@ try:
 except ImportError:  # optional: `pip install nvidia-cudnn-frontend`
     cudnn = None
 
+try:  # optional: FlashAttention-3, built from Dao-AILab/flash-attention's hopper/ folder
+    from flash_attn_interface import flash_attn_func as flash_attn_3
+except Exception:  # absent, or built for another torch
+    flash_attn_3 = None
+
 log = logging.getLogger(__name__)
 OP = "attention_fp8"
 FP8 = torch.float8_e4m3fn
@@ -71,6 +83,8 @@ _plans: dict[tuple, object] = {}  # shape key -> _Plan, or the reason cuDNN decl
 PLAN_FORMAT = "fp8-sdpa-1"
 _handles: dict[int, object] = {}
 _amax_groups: dict[str, object] = {}  # group name -> process group (`register_amax_group`)
+KERNELS = ("auto", "cudnn")  # auto: FlashAttention-3 where `fa3_reason` is None, else cuDNN
+_fa3_failed: dict[int, str] = {}  # head size -> why FlashAttention-3's call failed
 
 
 def register_amax_group(group) -> str:
@@ -223,11 +237,11 @@ if HAS_TRITON:
     @fast_launch
     @triton.jit
     def _dequant_kernel(
-        o_ptr, scales_ptr, mean_ptr, out_ptr, L, HD,
+        o_ptr, scales_ptr, mean_ptr, out_ptr, L, HD, SCALED: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
-        """out = o (fp8 (B, L, H * D) contiguous) * scales[DV] + mean (float32 (B, H * D)),
-        in out's dtype; grid (L blocks, H * D blocks, B)."""
+        """out = o ((B, L, H * D) contiguous) * scales[DV] (with SCALED, for fp8 o) + mean
+        (float32 (B, H * D)), in out's dtype; grid (L blocks, H * D blocks, B)."""
         b = tl.program_id(2).to(tl.int64)
         offs_l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -236,7 +250,9 @@ if HAS_TRITON:
         offs = (b * L + offs_l[:, None]) * HD + offs_c[None, :]
         mean = tl.load(mean_ptr + b * HD + offs_c, mask=mask_c, other=0.0)
         x = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = x * tl.load(scales_ptr + 2) + mean[None, :]
+        if SCALED:
+            x = x * tl.load(scales_ptr + 2)
+        x = x + mean[None, :]
         if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
             x = _round_bf16(x)
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -279,13 +295,13 @@ if HAS_TRITON:
     def dequantize(
         o8: torch.Tensor, scales: torch.Tensor, v_mean: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """o8 (fp8 (B, L, H, D) contiguous) * scales[DV] + v_mean (float32 (B, H, D)), in
-        `dtype`."""
+        """o8 ((B, L, H, D) contiguous) * scales[DV] (fp8 o8 only) + v_mean (float32 (B, H,
+        D)), in `dtype`."""
         out = torch.empty_like(o8, dtype=dtype)
         b, seq, h, d = o8.shape
         grid = (triton.cdiv(seq, 16), triton.cdiv(h * d, 512), b)
-        _dequant_kernel[grid](o8, scales, v_mean, out, seq, h * d, BLOCK_L=16, BLOCK_C=512,
-                              INTERPRET=not o8.is_cuda)  # fmt: skip
+        _dequant_kernel[grid](o8, scales, v_mean, out, seq, h * d, SCALED=o8.dtype == FP8,
+                              BLOCK_L=16, BLOCK_C=512, INTERPRET=not o8.is_cuda)  # fmt: skip
         return out
 
 
@@ -430,10 +446,22 @@ def _device_reason(device: torch.device) -> str | None:
     return None
 
 
-def attention_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+def fa3_reason(q: torch.Tensor) -> str | None:
+    """Why kernel "auto" would not run FlashAttention-3 for q (on a CUDA device), or None."""
+    if flash_attn_3 is None:
+        return "FlashAttention-3 is not installed (flash_attn_interface)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "FlashAttention-3's fp8 forward runs on Hopper (compute capability 9.0) only"
+    return _fa3_failed.get(q.shape[-1])
+
+
+def attention_fp8_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto"
+) -> str | None:
     """Why `attention_fp8` would run exact SDPA for these inputs, or None if it would not
     (before asking cuDNN, which may still decline a shape)."""
-    if cudnn is None:
+    fa3 = kernel == "auto" and _device_reason(q.device) is None and fa3_reason(q) is None
+    if cudnn is None and not fa3:
         return "the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend)"
     reason = unsupported(q) or _device_reason(q.device)
     if reason is not None:
@@ -453,9 +481,11 @@ def attention_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> s
 
 
 def attention_fp8(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, amax_group=""
-) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v on fp8 tensor cores, through cuDNN.
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, amax_group="",
+    kernel: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T / sqrt(D)) v on fp8 tensor cores, through FlashAttention-3 (kernel
+    "auto", where `fa3_reason` is None) or cuDNN.
 
     q: (B, H, Lq, D); k, v: (B, H, Lk, D); bfloat16 or float16, last stride 1; D 64 or
     128. Returns (B, H, Lq, D) in q's dtype over (B, Lq, H, D) memory. smooth_v=False
@@ -466,20 +496,30 @@ def attention_fp8(
     without it, or shapes cuDNN declines (see `attention_fp8_reason`) run exact SDPA and
     log why once.
     """
-    reason = attention_fp8_reason(q, k, v)
+    reason = attention_fp8_reason(q, k, v, kernel)
     if reason is not None:
         log_fallback_once(OP, reason)
         return attention_exact(q, k, v)
-    return _attention_fp8_op(q, k, v, smooth_v, amax_group).transpose(1, 2)
+    return _attention_fp8_op(q, k, v, smooth_v, amax_group, kernel).transpose(1, 2)
 
 
 if HAS_TRITON:
 
     @custom_op("qwen_turbo::attention_fp8")
     def _attention_fp8_op(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool, amax_group: str
-    ) -> torch.Tensor:
-        """(B, Lq, H, D); the plan is looked up here, where torch.compile does not trace."""
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool, amax_group: str,
+        kernel: str,
+    ) -> torch.Tensor:  # fmt: skip
+        """(B, Lq, H, D); the kernel is chosen here, where torch.compile does not trace."""
+        if kernel == "auto" and fa3_reason(q) is None:
+            (q8, k8, v8), scales, v_mean = quantize(q, k, v, smooth_v, amax_group)
+            try:
+                o = _flash_attn_3(q8, k8, v8, scales)
+            except Exception as e:  # built without fp8 or this head size, say
+                _fa3_failed[q.shape[-1]] = f"FlashAttention-3 failed: {e}".splitlines()[0][:300]
+                log.warning("%s: %s; cuDNN from now on", OP, _fa3_failed[q.shape[-1]])
+            else:
+                return dequantize(o, scales, v_mean, q.dtype)
         plan = _plan(q, k)
         if isinstance(plan, str):
             log_fallback_once(OP, plan)
@@ -490,7 +530,15 @@ if HAS_TRITON:
         plan.run(q8, k8, v8, scales, o8)
         return dequantize(o8, scales, v_mean, q.dtype)
 
+    def _flash_attn_3(q8, k8, v8, scales: torch.Tensor) -> torch.Tensor:
+        """FlashAttention-3's fp8 forward on `quantize`'s outputs: bf16 (B, Lq, H, D)."""
+        b, h = q8.shape[:2]
+        descales = (scales[i].expand(b, h) for i in (DQ, DK, DV))  # read through strides
+        out = flash_attn_3(*(t.transpose(1, 2) for t in (q8, k8, v8)), q_descale=next(descales),
+                           k_descale=next(descales), v_descale=next(descales))  # fmt: skip
+        return (out[0] if isinstance(out, tuple) else out).contiguous()  # as `dequantize` reads
+
     @_attention_fp8_op.register_fake
-    def _(q, k, v, smooth_v, amax_group):
+    def _(q, k, v, smooth_v, amax_group, kernel):
         b, h, lq, d = q.shape
         return q.new_empty((b, lq, h, d))

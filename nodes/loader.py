@@ -34,9 +34,10 @@ class Loader(io.ComfyNode):
                 io.Combo.Input(
                     "attention", options=loader.ATTENTION, default="auto",
                     tooltip="auto: ComfyUI's choice. sdpa: PyTorch's, cuDNN first. flash: "
-                    "FlashAttention first. fp8_cudnn: cuDNN's fp8 attention on Hopper and newer "
-                    "(needs nvidia-cudnn-frontend, else sdpa): faster at large sizes, a little "
-                    "less exact.",
+                    "FlashAttention first. fp8: 8-bit attention on Hopper and newer, faster at "
+                    "large sizes, a little less exact: FlashAttention-3's where it is installed "
+                    "on Hopper, else cuDNN's (needs nvidia-cudnn-frontend, else sdpa). "
+                    "fp8_cudnn: cuDNN's alone.",
                 ),
                 io.Boolean.Input(
                     "fused_kernels", default=True,

@@ -1,9 +1,11 @@
 """Attention backends for ComfyUI's `optimized_attention_override` (transformer_options).
 
 ComfyUI's SDPA path sets its own backend priority inside `comfy.ops`, so choosing a backend
-means calling `F.scaled_dot_product_attention` here under our priority. "fp8_cudnn" runs
-cuDNN's fp8 attention (Hopper+, `nvidia-cudnn-frontend`) where it can, else SDPA. The call
-signature is ComfyUI's attention functions' (comfy/ldm/modules/attention.py).
+means calling `F.scaled_dot_product_attention` here under our priority. "fp8" runs the
+fastest fp8 attention the GPU has (FlashAttention-3's where it is installed on Hopper, else
+cuDNN's; see `kernels.attention_fp8`), "fp8_cudnn" cuDNN's (Hopper+, `nvidia-cudnn-frontend`),
+each where it can, else SDPA. The call signature is ComfyUI's attention functions'
+(comfy/ldm/modules/attention.py).
 """
 
 import functools
@@ -69,7 +71,7 @@ def quantized(kernel):
     return core
 
 
-QUANTIZED = {"fp8_cudnn": attention_fp8}
+QUANTIZED = {"fp8": attention_fp8, "fp8_cudnn": functools.partial(attention_fp8, kernel="cudnn")}
 OVERRIDE = "optimized_attention_override"  # ComfyUI's transformer option for an attention
 
 

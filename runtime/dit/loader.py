@@ -29,7 +29,7 @@ from .patcher import LoaderState, Patcher
 log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
-ATTENTION = ["auto", "sdpa", "flash", "fp8_cudnn"]
+ATTENTION = ["auto", "sdpa", "flash", "fp8", "fp8_cudnn"]
 COMPILE = ["off", "regional"]
 SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"  # object patch on each block's `forward`
@@ -317,7 +317,7 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
             lockstep.add(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
-        if fused and attention == "fp8_cudnn" and state.weights.startswith("fp8"):
+        if fused and attention in QUANTIZED and state.weights.startswith("fp8"):
             patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
         compile_blocks(patcher)

@@ -1,6 +1,6 @@
-"""fp8 attention through cuDNN: the Triton passes (quantization with v's channel means
-taken out, and back) against their PyTorch reference (CPU, through the interpreter), every
-fallback branch, and on a Hopper GPU the whole op against exact attention.
+"""fp8 attention through cuDNN or FlashAttention-3: the Triton passes (quantization with v's
+channel means taken out, and back) against their PyTorch reference (CPU, through the
+interpreter), every fallback branch, and on a Hopper GPU the whole op against exact attention.
 
 Against exact attention the relative L2 error is fp8's own: q.k, P, v and O each carry
 e4m3's 3-bit mantissa rounding (about 2.6 % RMS each). On an H200 (benchmarks/RESULTS.md):
@@ -203,6 +203,17 @@ def test_dequantize(poisoned, dtype):
 
 
 @needs_triton
+def test_dequantize_bf16_output(poisoned):
+    """FlashAttention-3's O comes out in bf16: only v's means are added, in float32."""
+    g = torch.Generator().manual_seed(5)
+    o = torch.randn(2, 37, 3, 64, generator=g).to(torch.bfloat16)
+    scales = torch.rand(6, generator=g) + 0.5
+    v_mean = torch.randn(2, 3, 64, generator=g)
+    out = mod.dequantize(o, scales, v_mean, torch.bfloat16)
+    assert torch.equal(out, (o.float() + v_mean[:, None]).to(torch.bfloat16))
+
+
+@needs_triton
 def test_scales_and_means_round_trip():
     """The passes with cuDNN's part done in float32 from the same fp8 tensors and scales
     (q.k descaled by DQ, DK; v by DV; O scaled by SO): close to exact attention, v's
@@ -294,6 +305,96 @@ def test_fallback_cudnn_declines(on_gpu, monkeypatch, fresh_log):
     _assert_falls_back(q, k, v, fresh_log, "cuDNN declined the fp8 attention graph: no engine")
     attention_fp8(q, k, v)
     assert built == [("handle", None, 1, 2, 5, 7, 64)]
+
+
+# FlashAttention-3 (kernel "auto"): chosen only where it can run; a failure hands over to cuDNN.
+
+
+def flash_attn_3_in_float32(q8, k8, v8, q_descale, k_descale, v_descale):
+    """FlashAttention-3's fp8 forward (`flash_attn_func`) in float32 from its inputs: (B, L,
+    H, D) fp8 q, k, v and (B, H) descales; bf16 out."""
+    q, k, v = (x.float() * d[:, None, :, None] for x, d in
+               ((q8, q_descale), (k8, k_descale), (v8, v_descale)))  # fmt: skip
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).to(torch.bfloat16)
+
+
+@pytest.fixture
+def hopper(on_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(mod, "_fa3_failed", {})
+
+
+def test_fa3_reason(hopper, monkeypatch):
+    q = torch.zeros(1, 2, 5, 64)
+    monkeypatch.setattr(mod, "flash_attn_3", None)
+    assert mod.fa3_reason(q) == "FlashAttention-3 is not installed (flash_attn_interface)"
+    monkeypatch.setattr(mod, "flash_attn_3", flash_attn_3_in_float32)
+    assert mod.fa3_reason(q) is None
+    mod._fa3_failed[64] = "FlashAttention-3 failed: no"
+    assert mod.fa3_reason(q) == "FlashAttention-3 failed: no"
+    assert mod.fa3_reason(torch.zeros(1, 2, 5, 128)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (10, 0))
+    assert "Hopper (compute capability 9.0) only" in mod.fa3_reason(q)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["auto", "cudnn"])
+def test_fa3_takes_the_quantized_inputs(hopper, monkeypatch, kernel):
+    """Kernel "auto" hands `quantize`'s fp8 q, k, v ((B, L, H, D)) and its descales (per
+    batch and head) to FlashAttention-3, and adds v's means to its bf16 O: close to exact
+    attention with v's large means; "cudnn" never calls it."""
+    called = []
+    monkeypatch.setattr(mod, "flash_attn_3", lambda *a, **kw: called.append(a) or
+                        flash_attn_3_in_float32(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(mod, "_plan", lambda q, k: "cuDNN declined: exact SDPA")
+    q, k, v = _qkv(2, 3, 77, 300, 64, torch.bfloat16, seed=8)
+    v = v + _joint(2, 3, 1, 64, torch.bfloat16, seed=9, scale=50)
+    out = attention_fp8(q, k, v, kernel=kernel)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if kernel == "cudnn":
+        assert not called and torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+        return
+    assert [tuple(t.shape) for t in called[0]] == [(2, 77, 3, 64), (2, 300, 3, 64)] + [
+        (2, 300, 3, 64)
+    ]
+    assert out.transpose(1, 2).is_contiguous()
+    assert _rel(out, exact) <= 2e-2, _rel(out, exact)  # mostly the mean, exact
+
+
+@needs_triton
+def test_fa3_failure_hands_over_to_cudnn(hopper, monkeypatch, caplog):
+    """A FlashAttention-3 call that raises (built without fp8 or this head size) is logged
+    once, remembered for the head size, and that call and later ones take cuDNN's path."""
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("FlashAttention-3 was not built with fp8\nsecond line")
+
+    monkeypatch.setattr(mod, "flash_attn_3", fails)
+    monkeypatch.setattr(mod, "_plan", lambda q, k: "cuDNN declined: exact SDPA")
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    for _ in range(2):
+        out = attention_fp8(q, k, v)
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert len(calls) == 1
+    assert mod._fa3_failed == {64: "FlashAttention-3 failed: FlashAttention-3 was not built "
+                               "with fp8"}  # fmt: skip
+    warnings = [r for r in caplog.records if "cuDNN from now on" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_fa3_without_the_cudnn_frontend(hopper, monkeypatch, fresh_log):
+    """FlashAttention-3 needs no cuDNN frontend; without either, exact SDPA, logged."""
+    monkeypatch.setattr(mod, "cudnn", None)
+    q, k, v = _qkv(1, 2, 5, 7, 64, torch.bfloat16, seed=0)
+    monkeypatch.setattr(mod, "flash_attn_3", flash_attn_3_in_float32)
+    assert mod.attention_fp8_reason(q, k, v) is None
+    assert "nvidia-cudnn-frontend" in mod.attention_fp8_reason(q, k, v, kernel="cudnn")
+    monkeypatch.setattr(mod, "flash_attn_3", None)
+    _assert_falls_back(q, k, v, fresh_log, "pip install nvidia-cudnn-frontend")
 
 
 # The plan cache on disk.
@@ -395,12 +496,41 @@ def _gpu_rel(out, q, k, v):
 @needs_cudnn_fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,h,lq,lk,d", [(1, 24, 7145, 7145, 128), (2, 4, 1000, 2077, 64)])
-def test_gpu_matches_exact(kernel_only, dtype, b, h, lq, lk, d):
+@pytest.mark.parametrize("kernel", mod.KERNELS)
+def test_gpu_matches_exact(kernel_only, dtype, b, h, lq, lk, d, kernel):
     q, k, v = _qkv(b, h, lq, lk, d, dtype, seed=20, device="cuda")
-    out = attention_fp8(q, k, v)
+    out = attention_fp8(q, k, v, kernel=kernel)
     assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
     assert out.transpose(1, 2).is_contiguous()
     assert _gpu_rel(out, q, k, v) <= EXACT_TOL, _gpu_rel(out, q, k, v)
+
+
+needs_flash_attn_3 = pytest.mark.skipif(
+    mod.flash_attn_3 is None
+    or not torch.cuda.is_available()
+    or torch.cuda.get_device_capability() != (9, 0)
+    or not HAS_TRITON,
+    reason="needs FlashAttention-3 (flash_attn_interface) and a Hopper GPU",
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cudnn_fp8
+@needs_flash_attn_3
+@pytest.mark.parametrize("b,h,lq,lk", [(1, 24, 7145, 7145), (2, 4, 1000, 2077)])
+def test_gpu_flash_attn_3(kernel_only, monkeypatch, b, h, lq, lk):
+    """Kernel "auto" runs FlashAttention-3 (and records no failure), within fp8's error of
+    exact attention and of cuDNN's path, and a CUDA graph replays it."""
+    calls, real = [], mod.flash_attn_3
+    monkeypatch.setattr(mod, "flash_attn_3", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _qkv(b, h, lq, lk, 128, torch.bfloat16, seed=23, device="cuda")
+    out = attention_fp8(q, k, v)
+    assert calls and not mod._fa3_failed
+    assert out.isfinite().all() and out.transpose(1, 2).is_contiguous()
+    assert _gpu_rel(out, q, k, v) <= EXACT_TOL, _gpu_rel(out, q, k, v)
+    assert _rel(out, attention_fp8(q, k, v, kernel="cudnn")) <= EXACT_TOL
+    assert_cuda_graph_replays(lambda: attention_fp8(q, k, v), q, 2)
 
 
 @pytest.mark.gpu
@@ -440,7 +570,7 @@ import tests.harness  # registers the pack as qwen_turbo, without running it
 from qwen_turbo.kernels import attention_fp8 as mod
 
 q = torch.randn(1, 2, 333, 64, device="cuda", dtype=torch.bfloat16)
-assert mod.attention_fp8(q, q, q).isfinite().all()
+assert mod.attention_fp8(q, q, q, kernel="cudnn").isfinite().all()
 """
 
 
