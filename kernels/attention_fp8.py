@@ -446,13 +446,27 @@ def _device_reason(device: torch.device) -> str | None:
     return None
 
 
-def fa3_reason(q: torch.Tensor) -> str | None:
-    """Why kernel "auto" would not run FlashAttention-3 for q (on a CUDA device), or None."""
+def fa3_reason(device: torch.device, head_dim: int) -> str | None:
+    """Why kernel "auto" would not run FlashAttention-3 on `device` (CUDA), or None."""
     if flash_attn_3 is None:
         return "FlashAttention-3 is not installed (flash_attn_interface)"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(device) != (9, 0):
         return "FlashAttention-3's fp8 forward runs on Hopper (compute capability 9.0) only"
-    return _fa3_failed.get(q.shape[-1])
+    return _fa3_failed.get(head_dim)
+
+
+def kernel_name(device: torch.device, head_dim: int, kernel: str = "auto") -> str:
+    """Which attention `attention_fp8` runs on `device` for this head size, and why not the
+    faster one where it is not."""
+    reason = _device_reason(device)
+    if reason is not None:
+        return f"exact SDPA ({reason})"
+    fa3 = fa3_reason(device, head_dim) if kernel == "auto" else None
+    if kernel == "auto" and fa3 is None:
+        return "FlashAttention-3's"
+    if cudnn is None:
+        return "exact SDPA (the cuDNN frontend is not installed)"
+    return "cuDNN's" + (f" ({fa3})" if fa3 else "")
 
 
 def attention_fp8_reason(
@@ -460,7 +474,8 @@ def attention_fp8_reason(
 ) -> str | None:
     """Why `attention_fp8` would run exact SDPA for these inputs, or None if it would not
     (before asking cuDNN, which may still decline a shape)."""
-    fa3 = kernel == "auto" and _device_reason(q.device) is None and fa3_reason(q) is None
+    fa3 = kernel == "auto" and _device_reason(q.device) is None
+    fa3 = fa3 and fa3_reason(q.device, q.shape[-1]) is None
     if cudnn is None and not fa3:
         return "the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend)"
     reason = unsupported(q) or _device_reason(q.device)
@@ -511,7 +526,7 @@ if HAS_TRITON:
         kernel: str,
     ) -> torch.Tensor:  # fmt: skip
         """(B, Lq, H, D); the kernel is chosen here, where torch.compile does not trace."""
-        if kernel == "auto" and fa3_reason(q) is None:
+        if kernel == "auto" and fa3_reason(q.device, q.shape[-1]) is None:
             (q8, k8, v8), scales, v_mean = quantize(q, k, v, smooth_v, amax_group)
             try:
                 o = _flash_attn_3(q8, k8, v8, scales)

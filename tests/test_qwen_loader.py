@@ -1084,15 +1084,15 @@ def test_fp8_fast_linears_of_one_input_on_gpu():
 
 @pytest.mark.parametrize(
     "dtype, attention, fused, measured",
-    [("fp8_e4m3fn_fast", "fp8_cudnn", True, True), ("fp8_e4m3fn", "fp8_cudnn", True, True),
-     ("fp8_e4m3fn_fast", "sdpa", True, False), ("bf16", "fp8_cudnn", True, False),
+    [("fp8_e4m3fn_fast", "fp8", True, True), ("fp8_e4m3fn", "fp8_cudnn", True, True),
+     ("fp8_e4m3fn_fast", "sdpa", True, False), ("bf16", "fp8", True, False),
      ("fp8_e4m3fn_fast", "fp8_cudnn", False, False)],
 )  # fmt: skip
 def test_sampling_asks_comfyui_for_the_measured_activations(
     diffusion_models, monkeypatch, dtype, attention, fused, measured
 ):
     """What KSampler asks ComfyUI's memory manager to keep free beside the weights: with the
-    bundled workflows' settings (fp8 weights, fused blocks, fp8_cudnn), ComfyUI's own estimate
+    bundled workflows' settings (fp8 weights, fused blocks, fp8 attention), ComfyUI's own estimate
     scaled to the measured factor; with others, exactly UNETLoader's request; and ComfyUI's
     inside host_estimate."""
     import nodes

@@ -13,7 +13,7 @@ import functools
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ...kernels.attention_fp8 import attention_fp8, register_amax_group
+from ...kernels.attention_fp8 import attention_fp8, kernel_name, register_amax_group
 
 BACKENDS = {
     # cuDNN first: 571 TFLOP/s at L = 24,905 on an H200, against 360 for flash.
@@ -71,7 +71,8 @@ def quantized(kernel):
     return core
 
 
-QUANTIZED = {"fp8": attention_fp8, "fp8_cudnn": functools.partial(attention_fp8, kernel="cudnn")}
+QUANTIZED = {name: functools.partial(attention_fp8, kernel=kernel)
+             for name, kernel in (("fp8", "auto"), ("fp8_cudnn", "cudnn"))}  # fmt: skip
 OVERRIDE = "optimized_attention_override"  # ComfyUI's transformer option for an attention
 
 
@@ -89,6 +90,14 @@ def attention_override(name: str, amax_group=None, safe_blocks: set[int] = froze
     override.backend = name  # what a Multi-GPU worker rebuilds it from
     override.collective = amax_group is not None and name in QUANTIZED
     return override
+
+
+def kernel_note(name: str, device, head_dim: int) -> str | None:
+    """Which kernel the quantized attention `name` runs on `device`, for the badge; None for
+    the others and off CUDA."""
+    if name not in QUANTIZED or device.type != "cuda":
+        return None
+    return f"{name} attention: {kernel_name(device, head_dim, QUANTIZED[name].keywords['kernel'])}"
 
 
 def unbuilt_override():

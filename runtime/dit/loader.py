@@ -21,7 +21,7 @@ from ...kernels import warmup
 from .. import host, log_once
 from ..graphs import blocks as block_graphs
 from . import blocks, convert, files, fp8, lockstep, probe, streaming
-from .attention import OVERRIDE, QUANTIZED, attention_override
+from .attention import OVERRIDE, QUANTIZED, attention_override, kernel_note
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
 from .patcher import LoaderState, Patcher
@@ -317,6 +317,10 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
             lockstep.add(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
+        note = kernel_note(attention, patcher.load_device, config.attention_head_dim)
+        if note is not None:
+            notes.append(note)
+            log.info("Optimized Loader: %s", note)
         if fused and attention in QUANTIZED and state.weights.startswith("fp8"):
             patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):

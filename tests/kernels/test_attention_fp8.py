@@ -325,17 +325,24 @@ def hopper(on_gpu, monkeypatch):
     monkeypatch.setattr(mod, "_fa3_failed", {})
 
 
-def test_fa3_reason(hopper, monkeypatch):
-    q = torch.zeros(1, 2, 5, 64)
+def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
+    """Why not FlashAttention-3, and which kernel the badge names, for each case."""
+    cpu = torch.device("cpu")  # `hopper` makes it pass for a Hopper GPU
     monkeypatch.setattr(mod, "flash_attn_3", None)
-    assert mod.fa3_reason(q) == "FlashAttention-3 is not installed (flash_attn_interface)"
+    missing = "FlashAttention-3 is not installed (flash_attn_interface)"
+    assert mod.fa3_reason(cpu, 64) == missing
+    assert mod.kernel_name(cpu, 64) == f"cuDNN's ({missing})"
     monkeypatch.setattr(mod, "flash_attn_3", flash_attn_3_in_float32)
-    assert mod.fa3_reason(q) is None
+    assert mod.fa3_reason(cpu, 64) is None
+    assert mod.kernel_name(cpu, 64) == "FlashAttention-3's"
+    assert mod.kernel_name(cpu, 64, kernel="cudnn") == "cuDNN's"
     mod._fa3_failed[64] = "FlashAttention-3 failed: no"
-    assert mod.fa3_reason(q) == "FlashAttention-3 failed: no"
-    assert mod.fa3_reason(torch.zeros(1, 2, 5, 128)) is None
+    assert mod.fa3_reason(cpu, 64) == "FlashAttention-3 failed: no"
+    assert mod.fa3_reason(cpu, 128) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (10, 0))
-    assert "Hopper (compute capability 9.0) only" in mod.fa3_reason(q)
+    assert "Hopper (compute capability 9.0) only" in mod.fa3_reason(cpu, 128)
+    monkeypatch.setattr(mod, "cudnn", None)
+    assert mod.kernel_name(cpu, 128) == "exact SDPA (the cuDNN frontend is not installed)"
 
 
 @needs_triton
@@ -594,14 +601,20 @@ def test_gpu_process_exits_without_leak_reports(tmp_path):
 @needs_cudnn_fp8
 @pytest.mark.parametrize("seq", [1280, 7145])
 @pytest.mark.parametrize("dim", [0, 1], ids=["batch", "heads"])
-def test_gpu_half_of_a_call_rounds_as_the_whole(kernel_only, seq, dim):
-    """cuDNN's fp8 attention on half the batch or half the heads, at the whole call's scales
-    (what Multi-GPU ranks compute), gives the whole call's output for that half bit for bit."""
+@pytest.mark.parametrize(
+    "kernel", ["cudnn", pytest.param("flash_attn_3", marks=needs_flash_attn_3)]
+)
+def test_gpu_half_of_a_call_rounds_as_the_whole(kernel_only, seq, dim, kernel):
+    """The fp8 attention kernel on half the batch or half the heads, at the whole call's
+    scales (what Multi-GPU ranks compute), gives the whole call's output for that half bit for
+    bit."""
     xs = _qkv(2, 24, seq, seq, 128, torch.bfloat16, seed=27, device="cuda")
     (q8, k8, v8), scales, _ = mod.quantize(*xs)
 
     def run(*xs):  # in (B, L, H, D) memory, as quantize writes it
         q8, k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs)
+        if kernel == "flash_attn_3":
+            return mod._flash_attn_3(q8, k8, v8, scales).view(torch.int16)
         b, h, lq, d = q8.shape
         o8 = torch.empty((b, lq, h, d), dtype=FP8, device="cuda")
         mod._plan(q8, k8).run(q8, k8, v8, scales, o8)
