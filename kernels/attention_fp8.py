@@ -26,7 +26,7 @@ for the whole call (cuDNN's kernel 9.44) against 13.56 ms for cuDNN's bf16 atten
 Relative L2 error against exact attention on i.i.d. N(0, 1) inputs, about 6 %: each of
 q.k, P, v and O carries e4m3's 3-bit mantissa rounding (about 2.6 % RMS each).
 
-On Hopper, where FlashAttention-3 is installed (`flash_attn_interface`, built from the
+On Hopper, where FlashAttention-3 is installed (`flash_attn_3`, built from the
 hopper/ folder of Dao-AILab/flash-attention with fp8; not on PyPI), kernel "auto" runs its
 fp8 forward instead of cuDNN's graph, on the same quantized q, k, v and scales: its O comes
 out in bf16, and the last pass only adds v's means. Its kernel took 8.15 ms against cuDNN's
@@ -61,10 +61,25 @@ try:
 except ImportError:  # optional: `pip install nvidia-cudnn-frontend`
     cudnn = None
 
-try:  # optional: FlashAttention-3, built from Dao-AILab/flash-attention's hopper/ folder
-    from flash_attn_interface import flash_attn_func as flash_attn_3
+# Optional: FlashAttention-3's forward op, from Dao-AILab/flash-attention's hopper/ folder,
+# called directly: its Python wrapper's first call imports torch._dynamo (4.5-6.5 s on an H100
+# machine, 2.2 s more for a first picture through ComfyUI).
+FA3_ARGUMENTS = {"q_descale", "k_descale", "v_descale", "softmax_scale", "num_splits"}
+
+
+def fa3_op_reason(op) -> str | None:
+    """Why the op `op` (torch.ops.flash_attn_3.fwd) cannot be called as the pack calls it."""
+    missing = FA3_ARGUMENTS - {a.name for a in op.default._schema.arguments}
+    return f"FlashAttention-3's fwd op has no {', '.join(sorted(missing))}" if missing else None
+
+
+try:
+    import flash_attn_3._C  # noqa: F401  registers torch.ops.flash_attn_3
 except Exception:  # absent, or built for another torch
-    flash_attn_3 = None
+    flash_attn_3, FA3_MISSING = None, "FlashAttention-3 is not installed (flash_attn_3)"
+else:
+    FA3_MISSING = fa3_op_reason(torch.ops.flash_attn_3.fwd)
+    flash_attn_3 = None if FA3_MISSING else torch.ops.flash_attn_3.fwd
 
 log = logging.getLogger(__name__)
 OP = "attention_fp8"
@@ -449,7 +464,7 @@ def _device_reason(device: torch.device) -> str | None:
 def fa3_reason(device: torch.device, head_dim: int) -> str | None:
     """Why kernel "auto" would not run FlashAttention-3 on `device` (CUDA), or None."""
     if flash_attn_3 is None:
-        return "FlashAttention-3 is not installed (flash_attn_interface)"
+        return FA3_MISSING
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "FlashAttention-3's fp8 forward runs on Hopper (compute capability 9.0) only"
     return _fa3_failed.get(head_dim)
@@ -547,11 +562,12 @@ if HAS_TRITON:
 
     def _flash_attn_3(q8, k8, v8, scales: torch.Tensor) -> torch.Tensor:
         """FlashAttention-3's fp8 forward on `quantize`'s outputs: bf16 (B, Lq, H, D)."""
-        b, h = q8.shape[:2]
+        b, h, _, d = q8.shape
         descales = (scales[i].expand(b, h) for i in (DQ, DK, DV))  # read through strides
         out = flash_attn_3(*(t.transpose(1, 2) for t in (q8, k8, v8)), q_descale=next(descales),
-                           k_descale=next(descales), v_descale=next(descales))  # fmt: skip
-        return (out[0] if isinstance(out, tuple) else out).contiguous()  # as `dequantize` reads
+                           k_descale=next(descales), v_descale=next(descales),
+                           softmax_scale=d**-0.5, num_splits=1)[0]  # fmt: skip
+        return out.contiguous()  # as `dequantize` reads it
 
     @_attention_fp8_op.register_fake
     def _(q, k, v, smooth_v, amax_group, kernel):

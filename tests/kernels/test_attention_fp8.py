@@ -310,13 +310,16 @@ def test_fallback_cudnn_declines(on_gpu, monkeypatch, fresh_log):
 # FlashAttention-3 (kernel "auto"): chosen only where it can run; a failure hands over to cuDNN.
 
 
-def flash_attn_3_in_float32(q8, k8, v8, q_descale, k_descale, v_descale):
-    """FlashAttention-3's fp8 forward (`flash_attn_func`) in float32 from its inputs: (B, L,
-    H, D) fp8 q, k, v and (B, H) descales; bf16 out."""
+def flash_attn_3_in_float32(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale,
+                            num_splits):  # fmt: skip
+    """FlashAttention-3's fp8 forward op (torch.ops.flash_attn_3.fwd) in float32 from its
+    inputs: (B, L, H, D) fp8 q, k, v and (B, H) descales; bf16 out first."""
+    assert num_splits == 1
     q, k, v = (x.float() * d[:, None, :, None] for x, d in
                ((q8, q_descale), (k8, k_descale), (v8, v_descale)))  # fmt: skip
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).to(torch.bfloat16)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).to(torch.bfloat16)
+    return out, None, None, None
 
 
 @pytest.fixture
@@ -328,8 +331,9 @@ def hopper(on_gpu, monkeypatch):
 def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
     """Why not FlashAttention-3, and which kernel the badge names, for each case."""
     cpu = torch.device("cpu")  # `hopper` makes it pass for a Hopper GPU
+    missing = "FlashAttention-3 is not installed (flash_attn_3)"
     monkeypatch.setattr(mod, "flash_attn_3", None)
-    missing = "FlashAttention-3 is not installed (flash_attn_interface)"
+    monkeypatch.setattr(mod, "FA3_MISSING", missing)
     assert mod.fa3_reason(cpu, 64) == missing
     assert mod.kernel_name(cpu, 64) == f"cuDNN's ({missing})"
     monkeypatch.setattr(mod, "flash_attn_3", flash_attn_3_in_float32)
@@ -343,6 +347,14 @@ def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
     assert "Hopper (compute capability 9.0) only" in mod.fa3_reason(cpu, 128)
     monkeypatch.setattr(mod, "cudnn", None)
     assert mod.kernel_name(cpu, 128) == "exact SDPA (the cuDNN frontend is not installed)"
+
+
+def test_fa3_op_without_the_arguments_the_pack_passes():
+    """An op whose schema lacks what the pack passes (another FlashAttention-3) is not used."""
+    assert mod.fa3_op_reason(torch.ops.aten.add) == (
+        "FlashAttention-3's fwd op has no k_descale, num_splits, q_descale, softmax_scale, "
+        "v_descale"
+    )
 
 
 @needs_triton
@@ -401,6 +413,7 @@ def test_fa3_without_the_cudnn_frontend(hopper, monkeypatch, fresh_log):
     assert mod.attention_fp8_reason(q, k, v) is None
     assert "nvidia-cudnn-frontend" in mod.attention_fp8_reason(q, k, v, kernel="cudnn")
     monkeypatch.setattr(mod, "flash_attn_3", None)
+    monkeypatch.setattr(mod, "FA3_MISSING", "FlashAttention-3 is not installed (flash_attn_3)")
     _assert_falls_back(q, k, v, fresh_log, "pip install nvidia-cudnn-frontend")
 
 
@@ -517,7 +530,7 @@ needs_flash_attn_3 = pytest.mark.skipif(
     or not torch.cuda.is_available()
     or torch.cuda.get_device_capability() != (9, 0)
     or not HAS_TRITON,
-    reason="needs FlashAttention-3 (flash_attn_interface) and a Hopper GPU",
+    reason="needs FlashAttention-3 (flash_attn_3) and a Hopper GPU",
 )
 
 
