@@ -31,7 +31,7 @@ hopper/ folder of Dao-AILab/flash-attention with fp8; not on PyPI), kernel "auto
 fp8 forward instead of cuDNN's graph, on the same quantized q, k, v and scales: its O comes
 out in bf16, and the last pass only adds v's means. Its kernel took 8.15 ms against cuDNN's
 9.11 at L = 24,905 and 1.42 against 1.73 ms at 2 × 7,145 on an H100, with cuDNN's error
-(benchmarks/RESULTS.md 3.12). If its first call fails, cuDNN runs from then on.
+(benchmarks/RESULTS.md 3.12). After a failed call, cuDNN's runs for that head size.
 """
 
 import atexit
@@ -76,7 +76,7 @@ def fa3_op_reason(op) -> str | None:
 try:
     import flash_attn_3._C  # noqa: F401  registers torch.ops.flash_attn_3
 except Exception:  # absent, or built for another torch
-    flash_attn_3, FA3_MISSING = None, "FlashAttention-3 is not installed (flash_attn_3)"
+    flash_attn_3, FA3_MISSING = None, "flash_attn_3 (FlashAttention-3) is not installed"
 else:
     FA3_MISSING = fa3_op_reason(torch.ops.flash_attn_3.fwd)
     flash_attn_3 = None if FA3_MISSING else torch.ops.flash_attn_3.fwd
@@ -476,8 +476,9 @@ def kernel_name(device: torch.device, head_dim: int, kernel: str = "auto") -> st
     reason = _device_reason(device)
     if reason is not None:
         return f"exact SDPA ({reason})"
-    fa3 = fa3_reason(device, head_dim) if kernel == "auto" else None
-    if kernel == "auto" and fa3 is None:
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    fa3 = fa3_reason(device, head_dim) if kernel == "auto" and hopper else None
+    if kernel == "auto" and hopper and fa3 is None:
         return "FlashAttention-3's"
     if cudnn is None:
         return "exact SDPA (the cuDNN frontend is not installed)"

@@ -331,7 +331,7 @@ def hopper(on_gpu, monkeypatch):
 def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
     """Why not FlashAttention-3, and which kernel the badge names, for each case."""
     cpu = torch.device("cpu")  # `hopper` makes it pass for a Hopper GPU
-    missing = "FlashAttention-3 is not installed (flash_attn_3)"
+    missing = "flash_attn_3 (FlashAttention-3) is not installed"
     monkeypatch.setattr(mod, "flash_attn_3", None)
     monkeypatch.setattr(mod, "FA3_MISSING", missing)
     assert mod.fa3_reason(cpu, 64) == missing
@@ -345,6 +345,8 @@ def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
     assert mod.fa3_reason(cpu, 128) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (10, 0))
     assert "Hopper (compute capability 9.0) only" in mod.fa3_reason(cpu, 128)
+    monkeypatch.setattr(mod, "flash_attn_3", None)
+    assert mod.kernel_name(cpu, 128) == "cuDNN's"  # no word of FlashAttention-3 off Hopper
     monkeypatch.setattr(mod, "cudnn", None)
     assert mod.kernel_name(cpu, 128) == "exact SDPA (the cuDNN frontend is not installed)"
 
@@ -413,7 +415,7 @@ def test_fa3_without_the_cudnn_frontend(hopper, monkeypatch, fresh_log):
     assert mod.attention_fp8_reason(q, k, v) is None
     assert "nvidia-cudnn-frontend" in mod.attention_fp8_reason(q, k, v, kernel="cudnn")
     monkeypatch.setattr(mod, "flash_attn_3", None)
-    monkeypatch.setattr(mod, "FA3_MISSING", "FlashAttention-3 is not installed (flash_attn_3)")
+    monkeypatch.setattr(mod, "FA3_MISSING", "flash_attn_3 (FlashAttention-3) is not installed")
     _assert_falls_back(q, k, v, fresh_log, "pip install nvidia-cudnn-frontend")
 
 
