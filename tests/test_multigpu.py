@@ -508,9 +508,11 @@ def test_nccl_sockets_are_on_loopback():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_fp8_attention_split_by_batch_equals_one_gpu():
-    """fp8_cudnn attention quantizes with the scales and v's means of the whole call's batch
-    on every rank, so CFG 4 split by batch rounds as the batched call on one GPU does. At
-    2512², where the bf16 GEMMs of a batch of 1 and of 2 round alike (at 512² they do not)."""
-    guided, _ = _bench("--variant", "fp8_fast fused fp8_cudnn", "--size", "2512")["rows"]
+@pytest.mark.parametrize("attention", ["fp8_cudnn", "fp8"])
+def test_fp8_attention_split_by_batch_equals_one_gpu(attention):
+    """fp8 attention (cuDNN's, or FlashAttention-3's where installed) quantizes with the scales
+    and v's means of the whole call's batch on every rank, so CFG 4 split by batch rounds as the
+    batched call on one GPU does. At 2512², where the bf16 GEMMs of a batch of 1 and of 2 round
+    alike (at 512² they do not)."""
+    guided, _ = _bench("--variant", f"fp8_fast fused {attention}", "--size", "2512")["rows"]
     assert guided["rel_l2"] <= TOL and set(guided["calls"]) == {"2x1"}, guided
