@@ -56,8 +56,10 @@ def main():
 
     backends = {
         "cudnn bf16": F.scaled_dot_product_attention,
-        "cudnn fp8": attention_fp8,
-        "cudnn fp8, v not smoothed": lambda q, k, v: attention_fp8(q, k, v, smooth_v=False),
+        "cudnn fp8": lambda q, k, v: attention_fp8(q, k, v, kernel="cudnn"),
+        "cudnn fp8, v not smoothed": lambda q, k, v: attention_fp8(
+            q, k, v, smooth_v=False, kernel="cudnn"
+        ),
     }
     rows = []
     with torch.inference_mode():

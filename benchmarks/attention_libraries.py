@@ -5,10 +5,11 @@ call (compiles, plan builds), the median of 20 calls timed with CUDA events, TFL
 
 Variants: the pack's `attention_fp8` (quantize, cuDNN's fp8 graph, as the fused blocks call
 it), torch's SDPA in bf16 (the backend torch picks), FlashAttention-4 (`flash-attn-4`, CuTe
-DSL) in bf16 (its fp8 forward takes only compute capability 10.x), and flashinfer's FA3 fp8
-prefill (`flashinfer-python`, Hopper) on the pack's quantized q, k, v less v's channel means,
-which are added back to its bf16 output. The two fp8 kernels are also timed alone, on inputs
-quantized beforehand ("kernel" rows, no error given). A variant whose library is missing or
+DSL) in bf16 (its fp8 forward takes only compute capability 10.x), FlashAttention-3 (its op,
+as the pack calls it) in bf16 and fp8, and flashinfer's FA3 fp8 prefill (`flashinfer-python`,
+Hopper); the fp8 ones on the pack's quantized q, k, v less v's channel means, which are added
+back to their bf16 output. The fp8 kernels are also timed alone, on inputs quantized
+beforehand ("kernel" rows, no error given). A variant whose library is missing or
 declines the GPU prints why. Prints a table, then one JSON line.
 
     python benchmarks/attention_libraries.py --lengths 7145 24905
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
 import tests.harness  # noqa: E402,F401  registers the pack as qwen_turbo
+from qwen_turbo.kernels import attention_fp8 as attention_fp8_module  # noqa: E402
 from qwen_turbo.kernels.attention_fp8 import FP8, _plan, attention_fp8, quantize  # noqa: E402
 
 HEADS, DIM = 24, 128
@@ -66,18 +68,13 @@ def flashinfer_fa3():
 
 
 def flash_attn_3():
-    """FlashAttention-3's forward (`flash_attn_interface`, built from the hopper/ folder of
-    Dao-AILab/flash-attention) as `run(q, k, v, descales=None)` over (B, L, H, D) tensors, the
-    descales (3, B, H) for fp8 ones, or why it cannot run."""
-    try:
-        from flash_attn_interface import flash_attn_func
-    except Exception as e:
-        return f"flash-attn-3 not importable: {type(e).__name__}: {e}"
+    """FlashAttention-3's forward op as the pack calls it (`attention_fp8.flash_attn_3`), as
+    `run(q, k, v)` over (B, L, H, D) bf16 tensors, or why it cannot run."""
+    if attention_fp8_module.flash_attn_3 is None:
+        return f"flash-attn-3: {attention_fp8_module.FA3_MISSING}"
 
-    def run(q, k, v, descales=None):
-        d = [None] * 3 if descales is None else descales
-        out = flash_attn_func(q, k, v, q_descale=d[0], k_descale=d[1], v_descale=d[2])
-        return out[0] if isinstance(out, tuple) else out
+    def run(q, k, v):
+        return attention_fp8_module.flash_attn_3(q, k, v, softmax_scale=DIM**-0.5, num_splits=1)[0]
 
     return run
 
@@ -119,7 +116,7 @@ def variants():
     """name -> a function of (B, L, H, D) q, k, v returning (B, L, H, D), or why not."""
 
     def pack(q, k, v):
-        return attention_fp8(*heads_first(q, k, v)).transpose(1, 2)
+        return attention_fp8(*heads_first(q, k, v), kernel="cudnn").transpose(1, 2)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(*heads_first(q, k, v)).transpose(1, 2)
@@ -131,9 +128,8 @@ def variants():
         found |= {"flash-attn-3": fa3}
     else:
 
-        def fa3_fp8(q8, k8, v8, scales):
-            b, h = q8.shape[0], q8.shape[2]
-            return fa3(q8, k8, v8, scales[:3, None, None].expand(3, b, h).contiguous())
+        def fa3_fp8(q8, k8, v8, scales):  # the pack's call
+            return attention_fp8_module._flash_attn_3(*heads_first(q8, k8, v8), scales)
 
         found |= {"flash-attn-3 bf16": fa3, **fp8_rows("flash-attn-3 fp8", fa3_fp8)}
     fi = flashinfer_fa3()

@@ -490,11 +490,10 @@ def attention_fp8_reason(
 ) -> str | None:
     """Why `attention_fp8` would run exact SDPA for these inputs, or None if it would not
     (before asking cuDNN, which may still decline a shape)."""
-    fa3 = kernel == "auto" and _device_reason(q.device) is None
-    fa3 = fa3 and fa3_reason(q.device, q.shape[-1]) is None
+    reason = unsupported(q) or _device_reason(q.device)
+    fa3 = kernel == "auto" and reason is None and fa3_reason(q.device, q.shape[-1]) is None
     if cudnn is None and not fa3:
         return "the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend)"
-    reason = unsupported(q) or _device_reason(q.device)
     if reason is not None:
         return reason
     if q.dtype not in IN_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
