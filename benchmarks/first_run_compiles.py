@@ -1,6 +1,7 @@
 """card_workflow.py with the first run's Triton compiles and cuDNN fp8 plan builds timed.
 
-Takes card_workflow.py's arguments; prints the compiles per kernel and the plans at exit. With
+Takes card_workflow.py's arguments; prints the compiles per kernel (and each on the main thread:
+a launch `kernels/warmup.json` lacks) and the plans at exit. With
 SPECS=path, also pickles each compile's specialization there, for parallel_compile.py. Use a
 new TRITON_CACHE_DIR for a new install's first run. With TIMELINE=1, also prints where each
 variant's first run spent its time: model loads, weight copies, LoRA merges, pinning,
@@ -121,19 +122,23 @@ def timeline(run_once):
 def _timed_compile(self, key, signature, device, constexprs, options, attrs, warmup):
     t = time.perf_counter()
     kernel = _compile(self, key, signature, device, constexprs, options, attrs, warmup)
-    compiles.append((self.fn.__qualname__, span("compile", t)))
+    on_main = threading.current_thread() is threading.main_thread()
+    compiles.append((self.fn.__qualname__, span("compile", t), on_main, signature, constexprs))
     specs.append((self.fn.__module__, self.fn.__qualname__, signature, constexprs,
                   options.__dict__, attrs))  # fmt: skip
     return kernel
 
 
 def report():
-    print(f"TRITON compiles: {len(compiles)}, {sum(s for _, s in compiles):.2f} s", flush=True)
+    print(f"TRITON compiles: {len(compiles)}, {sum(c[1] for c in compiles):.2f} s", flush=True)
     by = collections.Counter()
-    for name, s in compiles:
+    for name, s, *_ in compiles:
         by[name] += s
     for name, s in by.most_common():
         print(f"  {name:40s} {s:6.2f} s")
+    for name, s, on_main, signature, constexprs in compiles:
+        if on_main:  # not compiled ahead: a launch `kernels/warmup.json` lacks
+            print(f"  on the main thread: {name} {s:.2f} s {signature} {constexprs}"[:400])
     print(f"CUDNN plans: {[(k, round(s, 2)) for k, s in plans]}", flush=True)
     if os.environ.get("SPECS") and specs:
         Path(os.environ["SPECS"]).write_bytes(pickle.dumps(specs))
