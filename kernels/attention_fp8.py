@@ -36,6 +36,7 @@ out in bf16, and the last pass only adds v's means. Its kernel took 8.15 ms agai
 
 import atexit
 import hashlib
+import importlib
 import logging
 import math
 import os
@@ -73,13 +74,22 @@ def fa3_op_reason(op) -> str | None:
     return f"FlashAttention-3's fwd op has no {', '.join(sorted(missing))}" if missing else None
 
 
-try:
-    import flash_attn_3._C  # noqa: F401  registers torch.ops.flash_attn_3
-except Exception:  # absent, or built for another torch
-    flash_attn_3, FA3_MISSING = None, "flash_attn_3 (FlashAttention-3) is not installed"
-else:
-    FA3_MISSING = fa3_op_reason(torch.ops.flash_attn_3.fwd)
-    flash_attn_3 = None if FA3_MISSING else torch.ops.flash_attn_3.fwd
+def load_fa3(module: str = "flash_attn_3._C"):
+    """(FlashAttention-3's fwd op, None), or (None, why not): not installed, or installed but
+    not loadable here (built for another torch or CUDA), or without the arguments passed."""
+    try:
+        importlib.import_module(module)  # registers torch.ops.flash_attn_3
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            return None, "flash_attn_3 (FlashAttention-3) is not installed"
+        return None, f"flash_attn_3 (FlashAttention-3) did not load: {e}"
+    except Exception as e:  # an extension built for another torch: undefined symbols
+        return None, f"flash_attn_3 (FlashAttention-3) did not load: {e}".splitlines()[0][:300]
+    reason = fa3_op_reason(torch.ops.flash_attn_3.fwd)
+    return (None, reason) if reason else (torch.ops.flash_attn_3.fwd, None)
+
+
+flash_attn_3, FA3_MISSING = load_fa3()
 
 log = logging.getLogger(__name__)
 OP = "attention_fp8"

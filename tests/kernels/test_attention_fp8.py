@@ -351,6 +351,24 @@ def test_fa3_reason_and_kernel_name(hopper, monkeypatch):
     assert mod.kernel_name(cpu, 128) == "exact SDPA (the cuDNN frontend is not installed)"
 
 
+def test_fa3_not_installed_or_not_loadable(monkeypatch):
+    """The badge's reason tells a FlashAttention-3 that is absent from one that is installed
+    but does not load (built for another torch: its extension's undefined symbols)."""
+    absent = "flash_attn_3 (FlashAttention-3) is not installed"
+    assert mod.load_fa3("qwen_turbo_absent_package._C") == (None, absent)
+
+    def broken(name):
+        raise ImportError(f"{name}: undefined symbol: _ZN3c104cuda9SetDeviceEab")
+
+    monkeypatch.setattr(mod.importlib, "import_module", broken)
+    op, reason = mod.load_fa3()
+    assert op is None
+    assert reason == (
+        "flash_attn_3 (FlashAttention-3) did not load: flash_attn_3._C: undefined symbol: "
+        "_ZN3c104cuda9SetDeviceEab"
+    )
+
+
 def test_fa3_op_without_the_arguments_the_pack_passes():
     """An op whose schema lacks what the pack passes (another FlashAttention-3) is not used."""
     assert mod.fa3_op_reason(torch.ops.aten.add) == (
