@@ -79,11 +79,9 @@ def load_fa3(module: str = "flash_attn_3._C"):
     not loadable here (built for another torch or CUDA), or without the arguments passed."""
     try:
         importlib.import_module(module)  # registers torch.ops.flash_attn_3
-    except ModuleNotFoundError as e:
-        if e.name is not None and module.startswith(e.name):
+    except Exception as e:  # absent, or an extension built for another torch (undefined symbols)
+        if isinstance(e, ModuleNotFoundError) and e.name and module.startswith(e.name):
             return None, "flash_attn_3 (FlashAttention-3) is not installed"
-        return None, f"flash_attn_3 (FlashAttention-3) did not load: {e}"
-    except Exception as e:  # an extension built for another torch: undefined symbols
         return None, f"flash_attn_3 (FlashAttention-3) did not load: {e}".splitlines()[0][:300]
     reason = fa3_op_reason(torch.ops.flash_attn_3.fwd)
     return (None, reason) if reason else (torch.ops.flash_attn_3.fwd, None)

@@ -34,8 +34,8 @@ def test_manifest_entries_bind_to_their_kernels():
 
 def test_the_probes_launches_come_first():
     """The warm-up compiles the manifest in its order; the fidelity probe is the first to
-    launch the DiT's kernels, at its own token counts, so their entries lead (launched before
-    their warm-up, they compiled on the main thread: 2.03 s of a new install's first run, H100)."""
+    launch the DiT's kernels, at its own token counts, so their entries lead (listed last, those
+    the warm-up had not reached yet compiled again on the main thread, under the probe)."""
     from qwen_turbo.runtime.dit import probe
 
     image = (probe.SIDE // 16) ** 2  # 2x2 patches of the 8x latent
