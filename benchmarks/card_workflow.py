@@ -273,14 +273,18 @@ def comfy_estimate_gib(api: dict) -> float | None:
     return None
 
 
-def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
-    """One execution of `api` with `seed` in its samplers; peak_gib is None without CUDA."""
+_runs = iter(range(1, 1 << 30))  # a new prompt id for each run
+
+
+def run_once(executor, server, api: dict, seed: int | None, filler_bytes: int) -> dict:
+    """One execution of `api` (with `seed` in its samplers, where given); peak_gib is None
+    without CUDA."""
     import torch
 
     cuda = torch.cuda.is_available()
     for node in api.values():
-        if "seed" in node["inputs"] and "steps" in node["inputs"]:  # samplers, not conds
-            node["inputs"]["seed"] = seed
+        if seed is not None and "seed" in node["inputs"] and "steps" in node["inputs"]:
+            node["inputs"]["seed"] = seed  # samplers, not conds
     server.times, server.peaks, server.error, server.badges, server.rss = {}, {}, None, {}, {}
     if cuda:
         torch.cuda.synchronize()
@@ -290,7 +294,7 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
     from qwen_turbo.cli.stock import SAVES
 
     outputs = [k for k, n in api.items() if n["class_type"] in SAVES]
-    executor.execute(api, f"run-{seed}", {"client_id": server.client_id}, outputs)
+    executor.execute(api, f"run-{next(_runs)}", {"client_id": server.client_id}, outputs)
     if cuda:
         torch.cuda.synchronize()
     total = time.perf_counter() - t0
@@ -321,6 +325,10 @@ def run_once(executor, server, api: dict, seed: int, filler_bytes: int) -> dict:
         # loaded model's VRAM as ComfyUI counts it (MB)
         "allocated_gib": round(torch.cuda.memory_allocated() / GiB, 2) if cuda else None,
         "loaded_mb": loaded_models_mb(),
+        # torch's reserved memory (its cache and the graphs' pools) and what the driver has
+        # free: memory neither holds is comfy-aimdo's (the pages of models loading on demand)
+        "reserved_gib": round(torch.cuda.memory_reserved() / GiB, 2) if cuda else None,
+        "driver_free_gib": round(torch.cuda.mem_get_info()[0] / GiB, 2) if cuda else None,
     }  # fmt: skip
 
 
@@ -395,6 +403,28 @@ def fill_to(free_gib: float):
     free, _ = torch.cuda.mem_get_info()
     extra = free - int(free_gib * GiB)
     return torch.empty(extra, dtype=torch.uint8, device="cuda") if extra > 0 else None
+
+
+def simulate_card(card_gib: float):
+    """A card of `card_gib` GiB: the GPU filled until `card_gib` - 1 GiB stay free (what such a
+    card leaves a desktop user), and its total reported as `card_gib` GiB to ComfyUI and the
+    pack (`torch.cuda.mem_get_info`, and ComfyUI's `total_vram`, read at its start), so that
+    every decision that reads the total (ComfyUI's reserve and low-VRAM choice, the pack's
+    shares, error texts) is the card's. Returns the filler (None if less is free)."""
+    import comfy.model_management as mm
+    import torch
+
+    filler = fill_to(card_gib - 1)
+    real, total = torch.cuda.mem_get_info, int(card_gib * GiB)
+    torch.cuda.mem_get_info = lambda device=None: (real(device)[0], total)
+    mm.total_vram = total / 2**20
+    return filler
+
+
+def comfy_version() -> str:
+    import comfyui_version
+
+    return getattr(comfyui_version, "__version__", "?")
 
 
 def init_dynamic_vram(start: bool) -> bool:
@@ -563,7 +593,7 @@ def run_cards(a, variants, models, mm, execution, report, headless) -> list[dict
 
     rows = []
     for card in a.cards:
-        filler = fill_to(card - 1) if card else None
+        filler = simulate_card(card) if card else None
         filler_bytes = filler.numel() if filler is not None else 0
         free = torch.cuda.mem_get_info()[0] / GiB
         for variant in a.variants:

@@ -129,7 +129,10 @@ def reset() -> None:
 def dynamic_need() -> int | None:
     """Where ComfyUI makes room for models that all load their weights on demand (v0.33's
     dynamic VRAM: `free_memory(for_dynamic=True)` inside `load_models_gpu`), what they need
-    free beside their weights (its `minimum_memory_required`), bytes; None elsewhere, and where
+    free on the driver beside their weights, bytes: what they compute in (its
+    `minimum_memory_required`), and the largest weight one of them casts at once (comfy-aimdo
+    grows its cast buffer to it with cudaMalloc: a text encoder's 1 GiB embedding, which
+    failed as "VRAM grow failed" where only the compute was freed). None elsewhere, and where
     another node wraps either function. Read from the callers' frames: ComfyUI tells a model
     only how much to free."""
     import comfy.model_management as mm
@@ -149,9 +152,21 @@ def dynamic_need() -> int | None:
             for_dynamic = frame.f_locals.get("for_dynamic")
         elif frame.f_code is load:
             need = frame.f_locals.get("minimum_memory_required")
-            return int(need) if for_dynamic is True and need is not None else None
+            if for_dynamic is not True or need is None:
+                return None
+            return int(need) + largest_cast(frame.f_locals.get("models") or [])
         frame = frame.f_back
     return None
+
+
+def largest_cast(models) -> int:
+    """The bytes of the largest weight of `models` (ModelPatchers) in their compute dtype."""
+    largest = 0
+    for model in models:
+        dtype = model.model_dtype() if hasattr(model, "model_dtype") else None
+        for p in model.model.parameters():
+            largest = max(largest, p.numel() * (dtype or p.dtype).itemsize)
+    return largest
 
 
 def _called_through(*codes):

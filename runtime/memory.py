@@ -130,3 +130,25 @@ def hold(device: torch.device, nbytes: int):
         yield
     finally:
         del pieces
+
+
+# ComfyUI's model classes, by what a user knows them as
+KNOWN_AS = (("TEModel", "the text encoder"), ("VAE", "the VAE"), ("QwenImage", "the DiT"))
+
+
+def on_the_gpu(device: torch.device) -> dict[str, float]:
+    """What is on `device`, GiB: each model ComfyUI has loaded there (its VRAM as ComfyUI
+    counts it), by what a user knows it as, and what the pack holds beside them."""
+    import comfy.model_management as mm
+
+    out: dict[str, float] = {}
+    for loaded in mm.current_loaded_models:
+        patcher = loaded.model
+        if patcher is None or loaded.device != device:
+            continue
+        name = type(patcher.model).__name__
+        what = next((label for key, label in KNOWN_AS if key in name), name)
+        out[what] = out.get(what, 0.0) + patcher.loaded_size() / 2**30
+    if held := held_bytes():
+        out["the pack's graphs"] = held / 2**30
+    return {k: v for k, v in out.items() if v >= 0.05}

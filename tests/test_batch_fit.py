@@ -110,4 +110,25 @@ def test_out_of_memory_names_the_batch_that_fits(dit):
     e = mm.OOM_EXCEPTION("CUDA out of memory.")
     msg = str(sampling.out_of_memory(dit, latent, 3, e))
     assert "batch 6" in msg and "By that estimate 3 pictures of this size fit." in msg
+    assert "First try: a batch of 3." in msg
     assert "pictures of this size fit" not in str(sampling.out_of_memory(dit, latent, None, e))
+
+
+def test_out_of_memory_names_the_card_what_was_on_it_and_what_to_change(dit, card, monkeypatch):
+    """The card's total as ComfyUI counts it, each model ComfyUI holds on the card by what a
+    user knows it as, and, where other models hold a GiB or more, unloading them first."""
+
+    class Held:  # a loaded model as ComfyUI lists it: a text encoder holding 3 GiB
+        device = dit.load_device
+        model = type("Patcher", (), {"model": type("QwenImageTEModel_", (), {})(),
+                                     "loaded_size": lambda self: 3 * GiB})()  # fmt: skip
+
+    card.loaded.append(Held())
+    monkeypatch.setattr(mm, "get_total_memory", lambda dev=None, torch_total_too=False: 24 * GiB)
+    latent = {"samples": torch.zeros((1, 16, 314, 314))}
+    msg = str(sampling.out_of_memory(dit, latent, None, mm.OOM_EXCEPTION("CUDA out of memory.")))
+    assert "on this 24.0 GiB GPU. On it: the text encoder 3.0 GiB." in msg
+    assert "First try: unload the other models" in msg
+    card.loaded.clear()
+    msg = str(sampling.out_of_memory(dit, latent, None, mm.OOM_EXCEPTION("CUDA out of memory.")))
+    assert "On it: nothing." in msg and "First try: a lower size or batch" in msg

@@ -735,7 +735,8 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
     prompt) by asking the loaded models to free memory. Where every model it loads takes its
     weights on demand (v0.33's dynamic VRAM), it leaves such models loaded beside each other;
     the Optimized Loader's model then frees only what the newcomer computes in (the load's
-    minimum, less what is free) and stays loaded, also where ComfyUI asks for more than the
+    minimum) and the largest weight it casts at once (comfy-aimdo's cast buffer grows to it),
+    less what is free, and stays loaded, also where ComfyUI asks for more than the
     model holds (a 9 GiB text encoder beside 5 GiB of the DiT: ComfyUI would unload it whole).
     For any other newcomer, or where another node wraps ComfyUI's free_memory (the pack cannot
     tell), it frees what is asked."""
@@ -747,9 +748,8 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
     patcher.model.model_loaded_weight_memory = on_card * GiB  # as if on the card
     resident = mm.LoadedModel(patcher)
     resident.device, resident.real_model = device, weakref.ref(patcher.model)
-    new = comfy.model_patcher.ModelPatcher(
-        torch.nn.Module(), device, torch.device("cpu"), size=9 * GiB
-    )
+    embedding = torch.nn.Embedding(4096, 512, dtype=torch.bfloat16, device="meta")  # 4 MiB
+    new = comfy.model_patcher.ModelPatcher(embedding, device, torch.device("cpu"), size=9 * GiB)
     on_demand = newcomer.startswith("on demand")
     monkeypatch.setattr(new, "is_dynamic", lambda: on_demand)
     monkeypatch.setattr(new, "loaded_ram_size", lambda: 0, raising=False)
@@ -778,7 +778,7 @@ def test_a_model_loading_on_demand_gets_the_room_it_computes_in(monkeypatch, nar
     mm.load_models_gpu([new], memory_required=3 * GiB)
     minimum = max(mm.minimum_inference_memory(), 3 * GiB + mm.extra_reserved_memory())
     if newcomer.startswith("on demand") and "wrapped" not in newcomer:
-        assert asked == [minimum - GiB]
+        assert asked == [minimum + 4 * 2**20 - GiB]  # and the largest weight it casts
         assert patcher.loaded_size() == on_card * GiB  # asked anywhere else, what it holds
     else:
         assert asked and asked[0] >= 9 * GiB

@@ -26,6 +26,14 @@ ROOM_MARGIN = 64 << 20
 Backup = collections.namedtuple("Backup", ["weight", "inplace_update"])
 
 
+def driver_free(device: torch.device) -> int:
+    """Memory free on the driver (torch's cache not counted), as ComfyUI counts free memory
+    where `device` is no CUDA device."""
+    if device.type != "cuda":
+        return mm.get_free_memory(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class HostCopies(dict):
     """Key: (a weight's host tensor in a file mapping, the data pointer of its GPU copy), for
     the weights on the GPU that have one. A deep copy of the model (ComfyUI's multi-GPU
@@ -183,12 +191,17 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         return freed
 
     def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
-        """ComfyUI's. Beside models that load their weights on demand only, the VRAM they
-        hold is taken for weights this load would leave offloaded, up to the whole model;
-        their next use loads them again from page-locked memory."""
+        """ComfyUI's, at every sampling, after the models beside it that load their weights
+        on demand gave back their VRAM (their page-locked weights stay; their next use loads
+        them again from there), as ComfyUI unloads them whole for a statically loaded model:
+        where their pages held the card, comfy-aimdo evicted them inside this model's run,
+        from within torch's allocations, which invalidated its graph captures. Beside such
+        models only, what they gave back is taken for weights this load would leave
+        offloaded, up to the whole model."""
+        freed = self._on_demand_vram(sum(m.loaded_size() for m in self._beside(on_demand=True)))
         short = self.model_size() - self.loaded_size() - extra_memory
         if short > 0 and not self._beside(on_demand=False):
-            extra_memory += self._on_demand_vram(short)
+            extra_memory += min(freed, short)
         return super().partially_load(device_to, extra_memory, *args, **kwargs)
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
@@ -244,13 +257,16 @@ class Patcher(comfy.model_patcher.ModelPatcher):
         if need is not None:
             # models loading on demand (a text encoder, a VAE under dynamic VRAM) stream
             # their weights, as ComfyUI lets them do beside each other: this model frees
-            # only what they compute in, and keeps its weights and graphs where that is free
-            short = max(0, need - mm.get_free_memory(self.load_device))
+            # only what they compute and cast in, and keeps its weights and graphs where that
+            # is free on the driver (comfy-aimdo allocates there, not from torch's cache)
+            mm.soft_empty_cache()
+            short = max(0, need - driver_free(self.load_device))
             if short < memory_to_free:
                 log_once(log, logging.INFO, "Optimized Loader: a model that loads its weights "
                          "on demand got the room it computes in; this model's weights stay on "
                          "the GPU")  # fmt: skip
                 freed = self._make_room(device_to, short, *args, **kwargs) if short else 0
+                mm.soft_empty_cache()  # back to the driver, where comfy-aimdo allocates
                 return memory_to_free if freed >= short else freed
         return self._make_room(device_to, memory_to_free, *args, **kwargs)
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from .. import host, log_once, memory
-from .capture import capturing_call, pool_bytes, side_stream
+from .capture import capturing_call, end_failed_capture, pool_bytes, side_stream
 from .policy import foreign_code
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,10 @@ class CudaBlockCapture:
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 run()
+                graph.capture_end()
             except BaseException:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
+                end_failed_capture(graph)
                 raise
-            graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         return graph.replay
 

@@ -103,12 +103,12 @@ class GraphCache:
 
 def cache_for(model: torch.nn.Module) -> GraphCache:
     """The model's cache, held in `memory`; its graphs may hold at most a quarter of the GPU's
-    memory."""
+    memory (as ComfyUI counts it: its total)."""
     cache = memory.holder(model)
     if not isinstance(cache, GraphCache):
         limit = float("inf")
         if torch.cuda.is_available():
-            limit = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 4
+            limit = mm.get_total_memory(mm.get_torch_device()) / 4
         cache = GraphCache(max_bytes=limit)
         memory.register(model, cache)
     return cache

@@ -1,5 +1,6 @@
 """The CUDA backend of the graph runners: capture with a warm-up on a side stream."""
 
+import contextlib
 import contextvars
 from collections.abc import Callable
 
@@ -35,7 +36,7 @@ class CudaGraphs:
 
     @staticmethod
     def capture(
-        run: Callable[[], torch.Tensor], mode: str = "global"
+        run: Callable[[], torch.Tensor], mode: str = "thread_local"
     ) -> tuple[Callable[[], None], torch.Tensor, int, torch.Tensor]:
         """(replay, the graph's output, the bytes its pool took, the warm-up's output).
         The warm-up (lazy init, cuBLAS/cuDNN workspaces and autotuning) computes the call
@@ -54,14 +55,31 @@ class CudaGraphs:
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode=mode):
-                out = run()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode=mode):
+                    out = run()
+            except BaseException:
+                end_failed_capture(graph)
+                raise
         finally:
             _capturing.reset(token)
         nbytes = pool_bytes(graph.pool())
         if nbytes is None:
             nbytes = torch.cuda.memory_reserved() - before
         return graph.replay, out, nbytes, first
+
+
+def end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """After a capture that failed: its stream capture ended, and the allocator no longer
+    routing this stream's allocations to the graph's pool. torch's `capture_end` raises
+    before it tells the allocator where the capture was invalidated (another thread's
+    unsafe call, a failed allocation), and every later capture then fails with "already
+    recording to mempool_id", every later allocation of the stream going to a dead pool."""
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_current_stream_capturing():
+            graph.capture_end()
+    with contextlib.suppress(Exception):  # raises where capture_end got that far
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
 
 
 def pool_bytes(pool) -> int | None:

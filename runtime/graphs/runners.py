@@ -85,7 +85,9 @@ class GraphRunner:
     `patched`, why the model's object patches keep graphs off (`foreign_object_patch`).
     """
 
-    capture_mode = "global"
+    # another thread's unsafe call (comfy-aimdo evicting a text encoder's pages, a kernel
+    # warm-up loading a module) cannot invalidate the capture
+    capture_mode = "thread_local"
     level = "apply_model"
 
     def __init__(self, resident: Callable[[], bool], backend=CudaGraphs, patched=None):

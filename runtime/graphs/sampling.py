@@ -150,20 +150,30 @@ def named_errors(model, latent: dict, fit: int | None):
 
 
 def out_of_memory(model, latent: dict, fit: int | None, e: Exception) -> Exception:
-    """The OOM error a user can act on: the size, ComfyUI's own estimate of what a step needs
-    on top of the weights, what the card has, the batch that fits (`fit`, as counted before
-    the run), and what to change. Still an OOM exception, so that ComfyUI's executor unloads
-    the models as it does for any."""
+    """The OOM error a user can act on: the size, the card's total, what was on the GPU
+    (`memory.on_the_gpu`), ComfyUI's own estimate of what a step needs on top of the weights,
+    the batch that fits (`fit`, as counted before the run), and the first thing to change.
+    Still an OOM exception, so that ComfyUI's executor unloads the models as it does for any."""
     x = latent["samples"]
     h, w = x.shape[-2] * 8, x.shape[-1] * 8
     need = model.model.memory_required(x.shape) / 2**30
     total = mm.get_total_memory(model.load_device) / 2**30
+    held = memory.on_the_gpu(model.load_device)
+    others = sum(gib for what, gib in held.items() if what not in ("the DiT", "the pack's graphs"))
     fits = f" By that estimate {fit} pictures of this size fit." if fit is not None else ""
+    if fit is not None and fit < x.shape[0]:
+        first = f"a batch of {fit}"
+    elif others >= 1:
+        first = ("unload the other models (the queue's Unload models button) before the run, "
+                 "or lower the size")  # fmt: skip
+    else:
+        first = "a lower size or batch, or ComfyUI started with --lowvram"
+    listing = ", ".join(f"{what} {gib:.1f} GiB" for what, gib in held.items()) or "nothing"
     msg = (
-        f"CUDA Graph Sampler ran out of memory at {w}×{h}, batch {x.shape[0]}: ComfyUI "
-        f"estimates {need:.1f} GiB for a step on top of the weights it keeps on the GPU, and "
-        f"this GPU has {total:.1f} GiB.{fits} Lower the size or batch, close other programs using "
-        "the GPU, or start ComfyUI with --lowvram (or a smaller --reserve-vram). "
+        f"CUDA Graph Sampler ran out of memory at {w}×{h}, batch {x.shape[0]}, on this "
+        f"{total:.1f} GiB GPU. On it: {listing}. ComfyUI estimates {need:.1f} GiB for a step "
+        f"on top of the weights it keeps on the GPU.{fits} First try: {first}. Closing other "
+        "programs using the GPU also helps. "
         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     )
     return mm.OOM_EXCEPTION(msg)
