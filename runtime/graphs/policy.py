@@ -10,7 +10,11 @@ for a whole step, CFG function or per-step callback keeps that region out of a g
 
 import inspect
 
-PACK = __name__.split(".")[0]
+# The pack's package, as ComfyUI names it (after its folder), and the prefixes of its own modules.
+# Not every module under that name is the pack's: the tests import as `<pack>.tests.…` from a
+# clone at custom_nodes/qwen_turbo, and a user's code may take the same name.
+PACK = __name__.removesuffix(".runtime.graphs.policy")
+OWN = tuple(f"{PACK}.{folder}." for folder in ("runtime", "kernels", "nodes", "cli"))
 # ComfyUI's wrapper levels, outermost first, from a guided step (PREDICT_NOISE) inward.
 STEP_LEVELS = ("predict_noise", "calc_cond_batch", "apply_model", "diffusion_model")
 # Foreign wrapper keys that hold no per-step state: ComfyUI's torch.compile wrapper swaps the
@@ -39,9 +43,10 @@ def region(options: dict, level: str) -> tuple:
 
 
 def own(obj) -> bool:
-    """Whether `obj` (a function, a method or a callable object) is this pack's code."""
+    """Whether `obj` (a function, a method or a callable object) is this pack's code: defined in
+    the package itself or in its runtime, kernels, nodes or cli."""
     module = getattr(obj, "__module__", None) or type(obj).__module__
-    return module.split(".")[0] == PACK
+    return module == PACK or f"{module}.".startswith(OWN)
 
 
 def model_patches(options: dict) -> str | None:
