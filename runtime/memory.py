@@ -136,6 +136,17 @@ def hold(device: torch.device, nbytes: int):
 KNOWN_AS = (("TEModel", "the text encoder"), ("VAE", "the VAE"), ("QwenImage", "the DiT"))
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` are one device ("cuda" is "cuda:0" where that is current)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )
+
+
 def on_the_gpu(device: torch.device) -> dict[str, float]:
     """What is on `device`, GiB: each model ComfyUI has loaded there (its VRAM as ComfyUI
     counts it), by what a user knows it as, and what the pack holds beside them."""
@@ -144,7 +155,7 @@ def on_the_gpu(device: torch.device) -> dict[str, float]:
     out: dict[str, float] = {}
     for loaded in mm.current_loaded_models:
         patcher = loaded.model
-        if patcher is None or loaded.device != device:
+        if patcher is None or not same_device(loaded.device, device):
             continue
         name = type(patcher.model).__name__
         what = next((label for key, label in KNOWN_AS if key in name), name)

@@ -98,6 +98,8 @@ class CudaBlockCapture:
                 run()
                 graph.capture_end()
             except BaseException:
+                with contextlib.suppress(Exception):  # the stream's capture ended
+                    graph.capture_end()
                 end_failed_capture(graph)
                 raise
         torch.cuda.current_stream().wait_stream(side)

@@ -70,14 +70,11 @@ class CudaGraphs:
 
 
 def end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """After a capture that failed: its stream capture ended, and the allocator no longer
-    routing this stream's allocations to the graph's pool. torch's `capture_end` raises
-    before it tells the allocator where the capture was invalidated (another thread's
-    unsafe call, a failed allocation), and every later capture then fails with "already
-    recording to mempool_id", every later allocation of the stream going to a dead pool."""
-    with contextlib.suppress(Exception):
-        if torch.cuda.is_current_stream_capturing():
-            graph.capture_end()
+    """After a capture that failed, once its `capture_end` was called: the allocator no longer
+    routing this stream's allocations to the graph's pool. torch's `capture_end` raises before
+    it tells the allocator where the capture was invalidated (another unsafe call, a failed
+    allocation), and every later capture then failed with "already recording to mempool_id",
+    every later allocation of the stream going to a dead pool."""
     with contextlib.suppress(Exception):  # raises where capture_end got that far
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
 
