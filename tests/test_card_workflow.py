@@ -37,6 +37,7 @@ def _load(name: str):
 
 card = _load("card_workflow")
 soak = _load("soak")
+session = _load("session")
 
 
 @pytest.fixture
@@ -119,6 +120,49 @@ def test_soak_cycles_sizes_batches_and_the_lora(comfy):
         (latent,) = [n["inputs"] for n in run.values() if n["class_type"] == "EmptySD3LatentImage"]
         assert (latent["width"], latent["height"], latent["batch_size"]) == (width, height, batch)
     assert api == card.prompts(ROOT / "workflows" / f"{soak.WORKFLOW}.json")["pack"]
+
+
+@pytest.mark.slow
+def test_session_runs_every_action_through_one_executor(comfy, monkeypatch):
+    """session.py's session on the tiny models (sizes 16-32², 2 steps, test conditioning), the
+    pack's graphs: the turbo workflow, then the 1328² one and back; every action
+    done: new seeds, prompts of three lengths, sizes ending at the workflow's own, the LoRA
+    changed, removed and back, ComfyUI's /free then a run, an interrupt at the second step
+    that stops the run without an error, then a run that completes."""
+    monkeypatch.setattr(session, "SIZES", [(16, 16), (32, 16), (32, 32)])
+    args = type("Args", (), {"text_encoder": "test", "steps": 2})()
+    for variant in ("pack",):
+        workflows = {}
+        for name in ("qwen_image_2512_turbo_2512px", "qwen_image_2512_t2i_1328px"):
+            api = session.session_graph(args, name, variant)
+            card.set_latent(api, 1, 32)
+            for node in api.values():
+                if node["class_type"] == "QwenTurboTestConditioning":
+                    node["inputs"]["tokens"] = 8
+            workflows[name] = api
+        planned = session.actions(workflows)
+        names = [a for a, _ in planned]
+        assert names[:5] == ["first run, new install", "new seed", "new prompt (5 words)",
+                             "new prompt (24 words)", "new prompt (68 words)"]  # fmt: skip
+        assert names[5:8] == ["new size 16x16", "new size 32x16", "new size 32x32"]
+        assert names[8:11] == ["LoRA strength 0.6", "LoRA removed", "LoRA back"]
+        kinds = {a: [n["class_type"] for n in g.values()] for a, g in planned}
+        assert "LoraLoaderModelOnly" not in kinds["LoRA removed"]
+        assert "LoraLoaderModelOnly" in kinds["LoRA back"]
+        rows = list(session.run_session(workflows))
+        assert [r["action"] for r in rows] == names
+        assert all(r["done"] for r in rows), [(r["action"], r["error"]) for r in rows]
+        interrupted = rows[names.index("interrupt")]
+        assert not interrupted["ok"] and interrupted["error"] is None  # stopped, cleanly
+        assert rows[names.index("after interrupt")]["ok"]
+        assert "QwenTurboLoader" in rows[names.index("free")]["nodes"]  # loaded again
+        assert "QwenTurboLoader" not in rows[names.index("after interrupt")]["nodes"]
+        steps = {r["action"]: r["nodes"] for r in rows}
+        assert "QwenTurboTestConditioning" in steps["new prompt (5 words)"]
+        assert "QwenTurboTestConditioning" not in steps["new seed"]
+    table = session.table([{**r, "variant": "pack", "card_gib": 24} for r in rows], True)
+    assert table[0] == "| card | action | stock | pack | pack / stock |"
+    assert len(table) == 2 + len(rows)
 
 
 def test_edit_workflow_runs_stock_and_pack(comfy):
