@@ -1,6 +1,6 @@
-"""python -m qwen_turbo {bench,run,compare}: the speed-up on this GPU, a workflow run headless,
-or its pictures and time against stock ComfyUI's. Run from the folder holding the pack
-(ComfyUI/custom_nodes)."""
+"""python -m qwen_turbo {bench,run,compare,convert}: the speed-up on this GPU, a workflow run
+headless, its pictures and time against stock ComfyUI's, or a workflow accelerated (or its
+stock twin). Run from the folder holding the pack (ComfyUI/custom_nodes)."""
 
 import argparse
 import sys
@@ -44,25 +44,56 @@ def main(argv=None) -> int:
         "(amplified) under ComfyUI's output/qwen_turbo_compare/, prints PSNR, SSIM and times.",
     )
     workflow_arguments(c, "a workflow (UI JSON) with Qwen Turbo nodes")
+    v = sub.add_parser(
+        "convert",
+        help="a workflow with the pack's nodes (--to pack) or ComfyUI's own (--to stock)",
+        description="--to pack swaps UNETLoader, KSampler, VAEDecode, VAEEncode and SaveImage "
+        "for the pack's nodes where they serve a Qwen-Image model (inside subgraphs too), "
+        "keeping links, widget values, titles and positions; --to stock writes the stock twin "
+        "for teammates without the pack. UI or API JSON. Prints what changed and what was "
+        "left, and why.",
+    )
+    v.add_argument("workflow", type=Path, help="a workflow (UI or API JSON)")
+    v.add_argument("--to", choices=("pack", "stock"), required=True)
+    v.add_argument("--out", type=Path, help="where to write (default: beside the workflow, "
+                   "its name ending _qwen_turbo.json or _stock.json)")  # fmt: skip
     a = p.parse_args(argv)
 
     from .cli.workflow import workflow_problem
 
-    if a.command in ("run", "compare") and (problem := workflow_problem(a.workflow)):
+    def error(problem: str) -> int:
         print(f"{p.prog} {a.command}: error: {a.workflow}: {problem}", file=sys.stderr)
         return 2
 
+    if a.command != "bench" and (problem := workflow_problem(a.workflow, a.command == "convert")):
+        return error(problem)
+    if a.command == "convert":
+        from .cli.convert import output_problem
+
+        if problem := output_problem(a.workflow, a.to, a.out):
+            return error(problem)
+
     from .cli import bench, headless
+    from .cli.subgraphs import WorkflowError
 
-    if a.command == "run":
-        headless.start_comfyui(a.out)
-        return headless.run(a.workflow, a.prompt, a.seed)
-    if a.command == "compare":
-        from .cli import compare
+    headless.start_comfyui(a.out if a.command in ("run", "compare") else None)
+    try:
+        if a.command == "run":
+            return headless.run(a.workflow, a.prompt, a.seed)
+        if a.command == "compare":
+            from .cli import compare
 
-        headless.start_comfyui(a.out)
-        return compare.compare(a.workflow, a.prompt, a.seed)
-    headless.start_comfyui()
+            return compare.compare(a.workflow, a.prompt, a.seed)
+        if a.command == "convert":
+            import nodes
+
+            from .cli import convert
+            from .cli.workflow import object_info
+
+            info = object_info(nodes.NODE_CLASS_MAPPINGS)
+            return convert.run(a.workflow, a.to, a.out, info)
+    except WorkflowError as e:  # convert.Refused is one too
+        return error(str(e))
     bench.bench(a.size, a.layers)
     return 0
 

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from .comfy_home import HOW_TO_PROVIDE, PACK, find_comfyui
+from .subgraphs import flatten, malformed
 from .workflow import SEED_NAMES, object_info, ui_to_api
 
 
@@ -37,12 +38,16 @@ def start_comfyui(output_dir: Path | None = None) -> Path:
 
 
 def missing_models(ui: dict) -> list[str]:
-    """One line per model file a workflow's loaders need and the folders lack."""
+    """One line per model file a workflow's loaders (in subgraphs too) need and the folders
+    lack."""
     import folder_paths
 
-    lines = []
-    for node in ui["nodes"]:
+    lines, seen = [], set()
+    for _, node, _ in flatten(ui):
         for model in node.get("properties", {}).get("models", []):
+            if (model["directory"], model["name"]) in seen:
+                continue
+            seen.add((model["directory"], model["name"]))
             if folder_paths.get_full_path(model["directory"], model["name"]) is None:
                 where = folder_paths.get_folder_paths(model["directory"])
                 folder = where[0] if where else model["directory"]
@@ -117,15 +122,17 @@ def _executor(execution, server):
 
 def load_workflow(workflow: Path) -> dict | None:
     """The API-format prompt of a UI-format workflow; None (the missing files listed) where
-    model files are missing."""
+    model files are missing. Raises WorkflowError where it cannot be read."""
     import nodes
 
     ui = json.loads(workflow.read_text())
-    missing = missing_models(ui)
-    if missing:
-        print(f"{workflow.name} needs these model files:\n" + "\n".join(missing), file=sys.stderr)
-        return None
-    return ui_to_api(ui, object_info(nodes.NODE_CLASS_MAPPINGS))
+    with malformed():
+        missing = missing_models(ui)
+        if missing:
+            print(f"{workflow.name} needs these model files:\n" + "\n".join(missing),
+                  file=sys.stderr)  # fmt: skip
+            return None
+        return ui_to_api(ui, object_info(nodes.NODE_CLASS_MAPPINGS))
 
 
 def execute(api: dict):

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from qwen_turbo.cli import convert
+from qwen_turbo.cli.stock import stock_graph
 from qwen_turbo.cli.workflow import ui_to_api
+from tests.harness.templates import scaled_template, template
 from tests.harness.workflows import WORKFLOWS, scaled_for_cpu
 
 REQUIRED = os.environ.get("QWEN_TURBO_BROWSER") == "required"
@@ -172,3 +175,84 @@ def test_run_shows_badges(page, comfy_server, tmp_path):
     print(f"screenshot: {shot}")
     assert not page.pack_errors
     assert not page.alerts, page.alerts
+
+
+TYPES = """() => { const root = app.rootGraph ?? app.graph;
+  return [root, ...(root.subgraphs?.values?.() ?? [])].flatMap(g => g.nodes.map(n => n.type)); }"""
+MENU = """label => { const items = app.collectCanvasMenuItems?.(app.canvas)
+  ?? app.canvas.getCanvasMenuOptions(); items.find(i => i?.content === label).callback(); }"""
+
+
+def test_accelerate_and_save_a_stock_copy(page, comfy_server, tmp_path):
+    """ComfyUI's own Qwen-Image-2512 template (its pipeline in a subgraph), accelerated from
+    the canvas menu: one undo takes it back; the frontend's prompt is the command line's and
+    runs on the tiny models; the stock copy it downloads holds only ComfyUI's own nodes. The
+    change summary's screenshot is kept."""
+    ui = json.loads(template("image_qwen_Image_2512").read_text())
+    page.pack_errors.clear()
+    page.alerts.clear()
+    page.evaluate("ui => app.loadGraphData(ui)", ui)
+    page.wait_for_function(
+        f"() => (app.rootGraph ?? app.graph).nodes.length === {len(ui['nodes'])}"
+    )
+    if page.get_by_role("dialog").count():
+        page.keyboard.press("Escape")  # missing models
+    stock = sorted(page.evaluate(TYPES))
+    page.evaluate(MENU, "Qwen Turbo: accelerate this workflow")
+    summary = page.locator("#qwen-turbo-summary")
+    sync_api.expect(summary).to_contain_text("4 nodes accelerated")
+    accelerated = page.evaluate(TYPES)
+    assert {"QwenTurboLoader", "QwenTurboCUDAGraphSampler", "QwenTurboSaveImage"} <= set(
+        accelerated
+    ) and not {"UNETLoader", "KSampler", "SaveImage"} & set(accelerated)
+    artifacts = Path(os.environ.get("QWEN_TURBO_ARTIFACTS") or tmp_path)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    summary.screenshot(path=artifacts / "accelerate_summary.png")
+    info = comfy_server.get("/object_info")
+    prompt = page.evaluate("async () => { const p = await app.graphToPrompt(); return p; }")
+    ours = ui_to_api(prompt["workflow"], info)
+    if "ComfySwitchNode" in info:  # the frontend's own prompt is ours
+        output = {k: {"class_type": n["class_type"], "inputs": n["inputs"]}
+                  for k, n in prompt["output"].items()}  # fmt: skip
+        assert output == ours
+    api = scaled_template(ours)
+    entry = comfy_server.run(api, timeout=300)
+    (save,) = [k for k, n in api.items() if n["class_type"] == "QwenTurboSaveImage"]
+    assert entry["outputs"][save]["images"]
+    with page.expect_download() as download:
+        page.evaluate("app.extensionManager.command.execute('QwenTurbo.stockCopy')")
+    copy = json.loads(Path(download.value.path()).read_text())
+    assert download.value.suggested_filename.endswith("_stock.json")
+    kinds = {n["type"] for g in [copy, *copy["definitions"]["subgraphs"]] for n in g["nodes"]}
+    modules = {k: info[k]["python_module"] for k in kinds if k in info}
+    assert not [k for k, m in modules.items() if m.startswith("custom_nodes")], modules
+    convert.convert(copy, "pack", info)  # the command line puts back what the copy left out
+    assert ui_to_api(copy, info) == ours
+    page.locator("#qwen-turbo-summary button").click()
+    page.evaluate("app.extensionManager.command.execute('Comfy.Undo')")
+    page.wait_for_function(f"types => JSON.stringify(({TYPES})().sort()) === types",
+                           arg=json.dumps(stock, separators=(",", ":")))  # fmt: skip
+    assert not page.pack_errors, page.pack_errors
+    assert not page.alerts, page.alerts
+
+
+def test_stock_copy_takes_the_vae_patches_out(page, comfy_server):
+    """The stock copy of a bundled workflow with Fused GroupNorm Patch and Texture Upsample:
+    both taken out, the decode wired to the VAE loader; the command line puts them back."""
+    ui = json.loads(
+        next(p for p in WORKFLOWS if p.stem == "qwen_image_2512_t2i_2512px").read_text()
+    )
+    page.pack_errors.clear()
+    page.evaluate("ui => app.loadGraphData(ui)", ui)
+    page.wait_for_function(
+        f"() => (app.rootGraph ?? app.graph).nodes.length === {len(ui['nodes'])}"
+    )
+    with page.expect_download() as download:
+        page.evaluate(MENU, "Qwen Turbo: save a stock copy")
+    copy = json.loads(Path(download.value.path()).read_text())
+    assert not [n["type"] for n in copy["nodes"] if n["type"].startswith("QwenTurbo")]
+    info = comfy_server.get("/object_info")
+    assert ui_to_api(copy, info) == stock_graph(ui_to_api(ui, info))
+    convert.convert(copy, "pack", info)
+    assert ui_to_api(copy, info) == ui_to_api(ui, info)
+    assert not page.pack_errors, page.pack_errors

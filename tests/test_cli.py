@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import nodes
-from qwen_turbo.cli import compare, headless
+from qwen_turbo.cli import compare, convert, headless
 from qwen_turbo.cli.workflow import object_info, ui_to_api
 from qwen_turbo.nodes import NODES
 from tests.harness import models
 from tests.harness.comfyui import COMFY, ROOT
+from tests.harness.templates import scaled_template, template
 from tests.harness.workflows import WORKFLOWS as BUNDLED
 from tests.harness.workflows import link_edit_2511, put_input_image, scaled_for_cpu
 
@@ -25,7 +26,8 @@ WORKFLOWS = ROOT / "workflows"
 
 def _cli(tmp_path, *args, timeout=600):
     """The CLI as a user runs it: from the folder holding the pack, as package qwen_turbo."""
-    (tmp_path / "qwen_turbo").symlink_to(ROOT)
+    if not (tmp_path / "qwen_turbo").exists():
+        (tmp_path / "qwen_turbo").symlink_to(ROOT)
     env = dict(os.environ, COMFYUI_PATH=str(COMFY))
     return subprocess.run(
         [sys.executable, "-m", "qwen_turbo", *args], cwd=tmp_path, env=env,
@@ -33,7 +35,7 @@ def _cli(tmp_path, *args, timeout=600):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["run"], ["compare"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["run"], ["compare"], ["convert"]])
 def test_help(tmp_path, command):
     r = _cli(tmp_path, *command, "--help")
     assert r.returncode == 0 and "usage: python -m qwen_turbo" in r.stdout
@@ -72,6 +74,51 @@ def test_run_rejects_what_is_not_a_workflow(tmp_path, content, problem):
     assert r.returncode == 2 and not r.stdout
     (line,) = r.stderr.splitlines()
     assert line.startswith(f"python -m qwen_turbo run: error: {path}: ") and problem in line
+
+
+def test_run_reads_comfyuis_own_template(tmp_path):
+    """ComfyUI v0.33.0's template keeps its pipeline in a subgraph: `run` reads it and lists
+    the model files its loaders (inside the subgraph) need, once each."""
+    r = _cli(tmp_path, "run", str(template("image_qwen_Image_2512")))
+    assert r.returncode == 2 and "/qwen_turbo/" not in r.stderr, r.stderr[-3000:]  # no traceback
+    assert r.stderr.count("qwen_image_2512_fp8_e4m3fn.safetensors (UNETLoader)") == 1
+    assert "Qwen-Image-2512-Lightning-4steps-V1.0-fp32.safetensors (LoraLoaderModelOnly)" in (
+        r.stderr
+    )
+
+
+def test_convert_writes_the_twin_or_refuses_in_one_line(tmp_path):
+    """convert --to stock writes `<name>_stock.json` beside the workflow and prints what it
+    changed; converting again would overwrite it, an unknown node type is refused: one line,
+    exit 2, the files as they were."""
+    source = tmp_path / "input" / "turbo.json"
+    source.parent.mkdir()
+    source.write_text((WORKFLOWS / "qwen_image_2512_turbo_2512px.json").read_text())
+    r = _cli(tmp_path, "convert", str(source), "--to", "stock")
+    assert r.returncode == 0, r.stderr[-3000:]
+    stock = source.with_name("turbo_stock.json")
+    assert "changed  node 1 (QwenTurboLoader) -> UNETLoader" in r.stdout
+    assert f"wrote {stock}" in r.stdout
+    assert not any("QwenTurbo" in n["type"] for n in json.loads(stock.read_text())["nodes"])
+    written = stock.read_text()
+    ui = json.loads(source.read_text())
+    ui["nodes"][0]["type"] = "NoSuchNode"
+    source.write_text(json.dumps(ui))
+    for args, problem in (
+        (["--to", "stock"], f"{stock} exists; pass --out {stock} to replace it"),
+        (["--to", "pack", "--out", str(tmp_path / "x.json")], "unknown node type 'NoSuchNode'"),
+        (["--to", "pack", "--out", str(tmp_path / "x.json")], None),
+    ):
+        if problem is None:  # not a workflow: refused before ComfyUI starts
+            source.write_text('{"nodes": 3}')
+            problem = "not a ComfyUI workflow"
+        before = source.read_text()
+        r = _cli(tmp_path, "convert", str(source), *args, timeout=120)
+        (line,) = r.stderr.strip().splitlines()[-1:]
+        assert r.returncode == 2 and line.startswith("python -m qwen_turbo convert: error: ")
+        assert problem in line and "/qwen_turbo/" not in r.stderr, r.stderr[-2000:]
+        assert source.read_text() == before and stock.read_text() == written
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_bench_without_cuda_runs_a_cpu_demonstration(tmp_path):
@@ -214,6 +261,19 @@ def test_compare_runs_every_bundled_workflow(executor_setup, models_dir, tmp_pat
     assert result["workflow"] == path.name and result["pictures"]
     for r in result["pictures"]:
         assert "error" not in r and r["ssim"] > 0 and os.path.exists(r["difference"]), r
+
+
+def test_compare_runs_an_accelerated_template(executor_setup, models_dir, capsys):
+    """`compare` on ComfyUI's Qwen-Image-2512 template after `convert --to pack` (the
+    Optimized Loader at its defaults): the stock side is the template's own graph, and the
+    two pictures agree."""
+    ui = json.loads(template("image_qwen_Image_2512").read_text())
+    info = object_info(nodes.NODE_CLASS_MAPPINGS)
+    convert.convert(ui, "pack", info)
+    api = scaled_template(ui_to_api(ui, info))
+    assert compare.compare_graph(api, "image_qwen_Image_2512.json", prompt=None, seed=3) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pictures"]
+    assert row["psnr_db"] > 30 and row["ssim"] > 0.9, row
 
 
 def test_roofline_counts_the_forwards_flops():

@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qwen_turbo.cli import convert
+from qwen_turbo.cli.subgraphs import WorkflowError
 from qwen_turbo.cli.workflow import ui_to_api
 from tests.harness import models
 from tests.harness.comfyui import ROOT
+from tests.harness.templates import TEMPLATES, scaled_template, template
 from tests.harness.workflows import (
     SCALED,
     WORKFLOWS,
@@ -159,3 +162,32 @@ def test_workflow_runs_on_tiny_models(comfy_server, models_dir, path):
     side = SCALED[1328 if path.stem.endswith("1328px") else 2512]
     assert pixels.shape == (side, side, 3)
     assert pixels.std() > 1, "flat image"
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_comfyuis_template_accelerated_runs_on_tiny_models(comfy_server, models_dir, name):
+    """ComfyUI v0.33.0's own Qwen-Image templates (the pipeline in a subgraph, If/Else
+    Switches; on v0.3.64, which lacks them, each switch replaced by the input it selects),
+    accelerated as `convert --to pack` does it and run through the executor. On v0.3.64 the
+    Edit-2511 one is refused: its CFGNorm has v0.33's second widget."""
+    info = comfy_server.get("/object_info")
+    ui = json.loads(template(name).read_text())
+    if "edit_2511" in name and not models.host_runs_edit_2511():  # v0.3.64
+        with pytest.raises(WorkflowError, match=r"CFGNorm\): 2 widget values, expected 1 "):
+            convert.convert(ui, "pack", info)  # saved by a newer ComfyUI
+        return
+    _, left = convert.convert(ui, "pack", info)
+    assert not left
+    api = ui_to_api(ui, info)
+    kinds = {n["class_type"] for n in api.values()}
+    assert {"QwenTurboLoader", "QwenTurboCUDAGraphSampler", "QwenTurboVAEDecodeTiled"} <= kinds
+    assert not {"UNETLoader", "KSampler", "VAEDecode", "VAEEncode", "SaveImage"} & kinds
+    api = scaled_template(api)
+    put_input_image(comfy_server.base / "input")
+    link_edit_2511(models_dir)
+    entry = comfy_server.run(api)
+    (save,) = [k for k, n in api.items() if n["class_type"] == "QwenTurboSaveImage"]
+    (image,) = comfy_server.images(entry, save)
+    pixels = np.asarray(Image.open(image).convert("RGB"))
+    side = 64 if "edit" in name else SCALED[1328]
+    assert pixels.shape == (side, side, 3) and pixels.std() > 1
