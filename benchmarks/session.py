@@ -325,9 +325,15 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--card", type=float, help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--table", nargs="+", metavar="JSONL",
+                   help="only print the markdown table of rows saved with --jsonl")  # fmt: skip
     a = p.parse_args()
     if a.child:
         return child(a)
+    if a.table:
+        rows = [json.loads(line) for path in a.table for line in Path(path).read_text().split("\n")
+                if line.strip()]  # fmt: skip
+        return print("\n".join(table(rows, markdown=True)))
     card.start(Path(a.models))  # the model files, written before any process holds the RAM
     for name in [a.workflow, *a.others]:
         pack = session_graph(a, name, "pack")
