@@ -381,9 +381,10 @@ def hold_ram(available_gib: float):
     return proc
 
 
-def new_prompt(api: dict, n: int) -> None:
-    """Each sampler's positive prompt changed (the n-th variation): its text, or the seed of the
-    test conditioning that stands in for the text encoder."""
+def new_prompt(api: dict, n: int, text: str | None = None) -> None:
+    """Each sampler's positive prompt changed (the n-th variation): its text (`text`, or a
+    variation of the workflow's own), or the seed of the test conditioning that stands in for
+    the text encoder."""
     for node in api.values():
         positive = node["inputs"].get("positive")
         if "steps" not in node["inputs"] or not isinstance(positive, list):
@@ -391,9 +392,22 @@ def new_prompt(api: dict, n: int) -> None:
         inputs = api[positive[0]]["inputs"]
         for key in ("text", "prompt"):
             if key in inputs:
-                inputs[key] = f"{inputs[key].split(' | ')[0]} | variation {n}"
+                inputs[key] = text or f"{inputs[key].split(' | ')[0]} | variation {n}"
         if "tokens" in inputs:
             inputs["seed"] = 1000 * n + int(positive[0])
+
+
+def without_lora(api: dict) -> dict:
+    """`api` with its LoRA nodes bypassed (what feeds them wired to what they fed)."""
+    out = {k: {"class_type": n["class_type"], "inputs": dict(n["inputs"])} for k, n in api.items()}
+    for node_id, node in list(out.items()):
+        if node["class_type"] == "LoraLoaderModelOnly":
+            del out[node_id]
+            for other in out.values():
+                for name, value in other["inputs"].items():
+                    if value == [node_id, 0]:
+                        other["inputs"][name] = node["inputs"]["model"]
+    return out
 
 
 def fill_to(free_gib: float):

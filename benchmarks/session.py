@@ -80,29 +80,7 @@ def set_prompt(api: dict, n: int) -> None:
     """Each sampler's positive prompt: PROMPTS[n % 3] (a variation of it after the first
     three), or the seed of the test conditioning that stands in for the text encoder."""
     text = PROMPTS[n % len(PROMPTS)] + (f", variation {n}" if n >= len(PROMPTS) else "")
-    for node in api.values():
-        positive = node["inputs"].get("positive")
-        if "steps" not in node["inputs"] or not isinstance(positive, list):
-            continue
-        inputs = api[positive[0]]["inputs"]
-        for key in ("text", "prompt"):
-            if key in inputs:
-                inputs[key] = text
-        if "tokens" in inputs:
-            inputs["seed"] = 1000 * (n + 1) + int(positive[0])
-
-
-def without_lora(api: dict) -> dict:
-    """`api` with its LoRA nodes bypassed (what feeds them wired to what they fed)."""
-    out = copy.deepcopy(api)
-    for node_id, node in list(out.items()):
-        if node["class_type"] == "LoraLoaderModelOnly":
-            del out[node_id]
-            for other in out.values():
-                for name, value in other["inputs"].items():
-                    if value == [node_id, 0]:
-                        other["inputs"][name] = node["inputs"]["model"]
-    return out
+    card.new_prompt(api, n + 1, text)
 
 
 def set_lora_strength(api: dict, strength: float) -> None:
@@ -140,7 +118,7 @@ def actions(workflows: dict[str, dict]) -> list[tuple[str, dict]]:
     if any(n["class_type"] == "LoraLoaderModelOnly" for n in api.values()):
         set_lora_strength(api, 0.6)
         step("LoRA strength 0.6")
-        step("LoRA removed", without_lora(api))
+        step("LoRA removed", card.without_lora(api))
         set_lora_strength(api, 1.0)
         step("LoRA back")
     others = list(workflows.items())[1:]

@@ -27,7 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: tests.harness
-from card_workflow import GiB, Recorder, fill_to, prompts, run_once, start, write_models  # noqa: E402
+from card_workflow import (  # noqa: E402
+    GiB,
+    Recorder,
+    fill_to,
+    prompts,
+    run_once,
+    start,
+    without_lora,
+    write_models,
+)
 
 from tests.harness.comfyui import ROOT  # noqa: E402
 
@@ -46,17 +55,10 @@ def case(run: int, batch_2512: int) -> tuple[int, int, int, bool]:
 
 def variant(api: dict, width: int, height: int, batch: int, lora: bool) -> dict:
     """`api` at this size and batch; without `lora`, its LoRA node bypassed."""
-    out = copy.deepcopy(api)
+    out = copy.deepcopy(api) if lora else without_lora(api)
     for node in out.values():
         if node["class_type"] == "EmptySD3LatentImage":
             node["inputs"].update(width=width, height=height, batch_size=batch)
-    for node_id, node in list(out.items()):
-        if node["class_type"] == "LoraLoaderModelOnly" and not lora:
-            del out[node_id]
-            for other in out.values():
-                for name, value in other["inputs"].items():
-                    if value == [node_id, 0]:
-                        other["inputs"][name] = node["inputs"]["model"]
     return out
 
 
