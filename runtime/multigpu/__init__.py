@@ -21,7 +21,11 @@ one, ControlNet inputs) run on rank 0 alone.
 
 Operations are announced by a header of plain data (`wire`: JSON, nothing unpickled) on the
 worker's stdin, a pipe only rank 0 holds, so an idle worker waits on the pipe rather than in
-an NCCL collective that would time out; it answers (started, or its error) on a second pipe.
+an NCCL collective that would time out; it answers (started, or its error) on a second pipe,
+and its output comes to rank 0 on a third. A thread of rank 0 (`watch`) reads them and keeps
+each operation's deadline (a model call's: 4x the last call of its shapes plus 10 s); when a
+worker dies, answers an error or misses the deadline, it kills the workers and aborts the
+NCCL communicators, so the call raises within seconds, naming the rank with its last lines.
 The process group meets in a FileStore in a folder only this user can open, and its
 communicators bind to the loopback interface: no socket of the pool listens beyond this
 machine. Workers start as plain subprocesses: a multiprocessing spawn would re-run ComfyUI's

@@ -12,7 +12,7 @@ import torch
 from .. import log_once
 from ..graphs.policy import own
 from . import wire
-from .pool import MultiGPUError, pool, shutdown
+from .pool import GRACE_S, pool, shutdown
 from .recipe import NotReplicable, attention_name, fused_blocks, recipe
 from .split import Call, _strip, plan
 
@@ -69,13 +69,13 @@ class Driver:
                 workers.load(_recipes[dm], signature, dm, patcher)
             return workers.run(call, executor)
         except BaseException as e:
-            try:
-                workers._check()
-            except MultiGPUError as failed:
-                shutdown(kill=True)
-                raise failed from e
-            shutdown(kill=True)  # rank 0 failed mid-call: the workers are out of step
-            raise
+            # a worker's failure (rank 0's collective fails first), or rank 0's own: either
+            # way the workers are out of step and stop
+            failed = workers.failure(GRACE_S)
+            shutdown(kill=True)
+            if failed is None or failed is e:
+                raise
+            raise failed from e
 
     def _local(self, why: str, executor, args, kwargs):
         self.stats.local[why] = self.stats.local.get(why, 0) + 1

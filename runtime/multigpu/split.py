@@ -69,7 +69,8 @@ def _unpack(flat: torch.Tensor, metas) -> list[torch.Tensor]:
 
 def _sp_group(cache: dict, groups: int, size: int, rank: int):
     """The process group of `rank`'s sequence-parallel group; every rank creates every group
-    of a plan, in the same order, the first time it meets the plan (new_group's rule)."""
+    of a plan, in the same order, the first time it meets the plan (new_group's rule), also
+    the groups it is not in."""
     if groups == 1 and size == dist.get_world_size():
         return None  # the whole world
     if (groups, size) not in cache:
@@ -78,8 +79,8 @@ def _sp_group(cache: dict, groups: int, size: int, rank: int):
 
 
 def _call_group(cache: dict, groups: int, size: int):
-    """The process group of the ranks that take part in a call of this plan; made, where it
-    is not the whole world, as `_sp_group` makes its groups."""
+    """The process group of the ranks that take part in a call of this plan, None on a rank
+    outside it; made, where it is not the whole world, as `_sp_group` makes its groups."""
     if groups * size == dist.get_world_size():
         return dist.group.WORLD
     if ("call", groups, size) not in cache:
@@ -100,9 +101,12 @@ def loopback() -> str:
 @functools.cache
 def communicator_env() -> dict[str, str]:
     """What the pool's communicators read from the environment: their sockets on loopback
-    (NCCL's bootstrap, gloo's pairs), NVLink multicast off (NCCL_NVLS_ENABLE)."""
+    (NCCL's bootstrap, gloo's pairs), NVLink multicast off (NCCL_NVLS_ENABLE), and NCCL's
+    watchdog aborting a failed communicator without taking the process down (its default
+    would end ComfyUI's process; rank 0's own watch reports the failure)."""
     lo = loopback()
-    return {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "NCCL_NVLS_ENABLE": "0"}
+    return {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "NCCL_NVLS_ENABLE": "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -123,8 +127,10 @@ def communicator_scope():
 
 
 def _new_group(ranks):
+    """A process group of `ranks` (every rank calls this), None on a rank outside it."""
     with communicator_scope():
-        return dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks))
+    return None if group is dist.GroupMember.NON_GROUP_MEMBER else group
 
 
 # --- sequence parallel -----------------------------------------------------------------------
@@ -176,8 +182,10 @@ class SeqParallel:
         # real tokens among the gathered s * (t_loc + i_loc), rank by rank
         q, r = torch.arange(self.t_loc + self.i_loc), torch.arange(s)[:, None]
         valid = torch.where(q < self.t_loc, r * self.t_loc + q < self.n_txt,
-                            r * self.i_loc + q - self.t_loc < self.n_img).flatten()  # fmt: skip
-        self.index = None if bool(valid.all()) else valid.nonzero()[:, 0].to(img.device)
+                            r * self.i_loc + q - self.t_loc < self.n_img)  # fmt: skip
+        self.index = None if bool(valid.all()) else valid.flatten().nonzero()[:, 0].to(img.device)
+        mine = valid[self.rank]  # this rank's tokens that are real, not padding
+        self.padding = None if bool(mine.all()) else (~mine)[:, None, None].to(img.device)
 
     def _block(self, i: int, blocks: int, args: dict, extra: dict) -> dict:
         if i == 0:
@@ -234,6 +242,8 @@ class SeqParallel:
             q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
         attention = func if inner is None else functools.partial(inner, func)
         if heads % self.size:  # this rank's queries against every key
+            if self.padding is not None:  # zeros: a quantized attention's scale is the call's
+                q = q.masked_fill(self.padding, 0)
             q, k, v = q.transpose(1, 2), self._gather(k), self._gather(v)
             return attention(q, k, v, heads, None, skip_reshape=True,
                              skip_output_reshape=skip_output_reshape, **kwargs)  # fmt: skip
@@ -286,15 +296,17 @@ def run_share(call: Call, tensors, options: dict, rank: int, groups_cache: dict,
     x = tensors[args[0].i]
     batch, group = x.shape[0], rank // call.size
     shape, dtype = call.out
+    # every rank makes the plan's groups (new_group's rule); only those in the call use them
     sp = _sp_group(groups_cache, call.groups, call.size, rank) if call.size > 1 else None
-    if call.attention in QUANTIZED:
+    quantized = call.attention in QUANTIZED
+    scales_over = _call_group(groups_cache, call.groups, call.size) if quantized else None
+    if group >= call.groups:  # outside the call: no collective, no group registered
+        return torch.zeros(shape, dtype=dtype, device=x.device)
+    if quantized:
         key = ("override", call.attention, call.groups, call.size)
         if key not in groups_cache:  # made once per plan, not per call
-            scales_over = _call_group(groups_cache, call.groups, call.size)
             groups_cache[key] = attention_override(call.attention, amax_group=scales_over)
         options = {**options, "optimized_attention_override": groups_cache[key]}
-    if group >= call.groups:
-        return torch.zeros(shape, dtype=dtype, device=x.device)
     tensors = [_share(t, batch, call.groups, group) for t in tensors]
     if call.size > 1:
         options = SeqParallel(sp, call.size, rank % call.size).options(options, call.blocks)

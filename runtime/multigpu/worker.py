@@ -1,10 +1,13 @@
 """A worker process (ranks 1..N-1): ComfyUI's flags set as in the parent, then operations
-read from stdin until "stop" or its end."""
+read from stdin until "stop" or its end. Its stdout and stderr go to rank 0's watch, which
+passes them on to ComfyUI's console."""
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -101,9 +104,9 @@ class Worker:
 
 
 def worker_main(cfg: dict) -> None:
-    """A worker process: ComfyUI's modules set up as in the parent, then operations until
-    "stop" or the end of stdin. An error is answered for rank 0 to report, and the process
-    exits."""
+    """A worker process: ComfyUI's modules set up as in the parent (and `cfg["setup"]`'s
+    functions called), then operations until "stop" or the end of stdin. An error is
+    answered for rank 0 to report, and the process exits."""
     rank, device = cfg["rank"], torch.device(cfg["device"])
     answers = os.fdopen(cfg["answers"], "wb")
 
@@ -127,6 +130,9 @@ def worker_main(cfg: dict) -> None:
         args.disable_dynamic_vram = True  # plain resident modules; no VRAM manager here
         import comfy.model_management  # noqa: F401  (set up for this device)
 
+        for name, arguments in cfg["setup"]:  # named by rank 0's process (pool.WORKER_SETUP)
+            module, _, function = name.partition(":")
+            getattr(importlib.import_module(module), function)(*arguments)
         answer({"ready": True})
         extra = {"device_id": device} if cfg["backend"] == "nccl" else {}
         store = dist.PrefixStore("pg", dist.FileStore(cfg["store"]))
@@ -136,5 +142,6 @@ def worker_main(cfg: dict) -> None:
         dist.destroy_process_group()
     except Exception as e:
         traceback.print_exc()
-        answer({"error": f"{type(e).__name__}: {e}"[:2000]})
-        sys.exit(1)
+        answer({"error": f"{type(e).__name__}: {e}"[:2000], "at": time.time()})
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: a process group's teardown may wait on peers mid-call
