@@ -176,7 +176,7 @@ def run_session(workflows: dict[str, dict], filler_bytes: int = 0):
     from qwen_turbo.nodes import report
 
     server = card.Recorder()
-    report.send = server.badge
+    send, report.send = report.send, server.badge
     executor = headless._executor(execution, server)
     interrupter = Interrupter(mm)
     comfy.utils.set_progress_bar_global_hook(interrupter)
@@ -192,6 +192,7 @@ def run_session(workflows: dict[str, dict], filler_bytes: int = 0):
             yield {"i": i, "action": action, **r}
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
+        report.send = send
 
 
 def session_graph(a, name: str, variant: str) -> dict:

@@ -149,7 +149,11 @@ def test_session_runs_every_action_through_one_executor(comfy, monkeypatch):
         kinds = {a: [n["class_type"] for n in g.values()] for a, g in planned}
         assert "LoraLoaderModelOnly" not in kinds["LoRA removed"]
         assert "LoraLoaderModelOnly" in kinds["LoRA back"]
+        from qwen_turbo.nodes import report
+
+        send = report.send
         rows = list(session.run_session(workflows))
+        assert report.send is send  # the badges' sender given back
         assert [r["action"] for r in rows] == names
         assert all(r["done"] for r in rows), [(r["action"], r["error"]) for r in rows]
         interrupted = rows[names.index("interrupt")]
