@@ -208,7 +208,7 @@ def session_graph(a, name: str, variant: str) -> dict:
 def child(a) -> None:
     """One variant's session in this process; JSON lines, one per action."""
     caches = new_install_caches()
-    ballast = card.hold_ram(a.ram) if a.ram else None
+    ballast = card.hold_ram(a.ram) if a.ram and not a.ram_held else None
     try:
         dynamic = card.start(Path(a.models), a.dynamic_vram)
         import folder_paths
@@ -219,7 +219,8 @@ def child(a) -> None:
         filler = card.simulate_card(a.card) if a.card else None
         for row in run_session(workflows, filler.numel() if filler is not None else 0):
             print(json.dumps({"variant": a.variant, "card_gib": a.card, "ram_gib": a.ram,
-                              "dynamic_vram": dynamic, **row}), flush=True)  # fmt: skip
+                              "dynamic_vram": dynamic, "at_once": a.gpus, **row}),
+                  flush=True)  # fmt: skip
         del filler
         torch.cuda.empty_cache()
     finally:
@@ -227,18 +228,23 @@ def child(a) -> None:
             ballast.kill()
 
 
-def run_child(a, card_gib: float, variant: str) -> list[dict]:
-    """One variant's session in a new process; its rows (a row saying why, if it died)."""
+def run_child(a, card_gib: float, variant: str, gpu: int | None = None) -> list[dict]:
+    """One variant's session in a new process (on GPU `gpu` alone, where given); its rows (a
+    row saying why, if it died)."""
     argv = [sys.executable, __file__, "--child", "--card", str(card_gib), "--variant", variant,
             "--workflow", a.workflow, "--models", a.models, "--text-encoder", a.text_encoder,
-            "--others", *a.others]  # fmt: skip
+            "--gpus", str(a.gpus), "--others", *a.others]  # fmt: skip
     for flag, value in (("--ram", a.ram), ("--steps", a.steps)):
         if value:
             argv += [flag, str(value)]
     if a.dynamic_vram:
         argv.append("--dynamic-vram")
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        argv.append("--ram-held")
     rows, t0 = [], time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:
         if line.startswith("{") and '"action"' in line:
             rows.append(json.loads(line))
@@ -257,6 +263,25 @@ def run_child(a, card_gib: float, variant: str) -> list[dict]:
         rows.append({"action": f"process exited with {rc}", "variant": variant, "done": False,
                      "card_gib": card_gib, "seconds": round(time.perf_counter() - t0, 1),
                      "error": "the process died"})  # fmt: skip
+    return rows
+
+
+def run_at_once(a, runs: list[tuple[float, str]]) -> list[dict]:
+    """`runs` (card, variant) `a.gpus` at a time, one GPU each; one ballast leaves `a.ram` GiB
+    of host RAM per run at once (each run's own peak is in its rows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = []
+    for first in range(0, len(runs), a.gpus):
+        wave = runs[first : first + a.gpus]
+        ballast = card.hold_ram(a.ram * len(wave)) if a.ram else None
+        try:
+            with ThreadPoolExecutor(len(wave)) as pool:
+                done = pool.map(lambda x: run_child(a, *x[1], gpu=x[0]), enumerate(wave))
+                rows += [r for rs in done for r in rs]
+        finally:
+            if ballast is not None:
+                ballast.kill()
     return rows
 
 
@@ -301,7 +326,10 @@ def main():
     p.add_argument("--markdown", action="store_true", help="also the table as markdown")
     p.add_argument("--verbose", action="store_true", help="the children's own output too")
     p.add_argument("--jsonl", help="also append each row to this file as it comes")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="runs at once, one GPU each; --ram GiB per run")  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ram-held", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--card", type=float, help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--table", nargs="+", metavar="JSONL",
@@ -318,10 +346,8 @@ def main():
         pack = session_graph(a, name, "pack")
         card.write_models(Path(a.models), pack)
         card.write_pictures(Path(a.models) / "input", pack)
-    rows = []
-    for card_gib in a.cards:
-        for variant in a.variants:
-            rows += run_child(a, card_gib, variant)
+    runs = [(card_gib, variant) for card_gib in a.cards for variant in a.variants]
+    rows = run_at_once(a, runs) if a.gpus > 1 else [r for c, v in runs for r in run_child(a, c, v)]
     import torch
 
     comfy = card.comfy_version() + (", dynamic VRAM" if a.dynamic_vram else "")
