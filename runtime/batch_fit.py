@@ -34,8 +34,10 @@ def per_picture(model, latent, positive, negative) -> int:
 
 def freeable(device) -> int:
     """The free memory on `device` and what the loaded models hold there (ComfyUI offloads
-    them for room)."""
-    loaded = sum(m.model_loaded_memory() for m in mm.current_loaded_models if m.device == device)
+    them for room). A model whose patcher is gone (ComfyUI's entry for it not yet cleaned up:
+    after an interrupt, a /free) holds nothing."""
+    loaded = sum(m.model_loaded_memory() for m in mm.current_loaded_models
+                 if m.device == device and m.model is not None)  # fmt: skip
     return mm.get_free_memory(device) + loaded
 
 

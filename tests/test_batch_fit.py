@@ -4,6 +4,7 @@ small card leaves, with ComfyUI's memory functions patched to report that card."
 import logging
 
 import comfy.model_management as mm
+import comfy.model_patcher
 import comfy.sampler_helpers
 import comfy.sd
 import pytest
@@ -70,7 +71,7 @@ def test_models_comfyui_can_offload_add_room_and_references_take_it(dit, card):
     latent = torch.zeros((1, 16, 128, 128))
 
     class Loaded:
-        device = dit.load_device
+        device, model = dit.load_device, dit
 
         @staticmethod
         def model_loaded_memory():
@@ -84,6 +85,19 @@ def test_models_comfyui_can_offload_add_room_and_references_take_it(dit, card):
     refs = [torch.zeros((1, 16, 128, 128))]
     fewer, _ = batch_fit.check(dit, latent, _cond(1, refs), _cond(2, refs))
     assert fewer < more
+
+
+def test_a_model_comfyui_still_lists_after_its_patcher_is_gone_holds_nothing(dit, card):
+    """ComfyUI keeps a LoadedModel whose patcher was collected (a weak reference) until its
+    next cleanup; the count skips it (it failed the new prompt after an interrupt, 16 GiB)."""
+    gone = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), dit.load_device, "cpu")
+    loaded = mm.LoadedModel(gone)
+    del gone
+    assert loaded.model is None
+    latent = torch.zeros((1, 16, 128, 128))
+    n, _ = batch_fit.check(dit, latent, _cond(1), _cond(2))
+    card.loaded.append(loaded)
+    assert batch_fit.check(dit, latent, _cond(1), _cond(2))[0] == n
 
 
 def test_no_room_for_one_picture_says_to_lower_the_size(dit, card):
