@@ -5,9 +5,11 @@ node's on --gpus GPUs; random full-size weights (60 layers unless --layers) in t
 fp8 file's layout (bf16 or fp32 for the fp32 variant), 256 text tokens.
 
 Two cases, as issue 17 sets them:
-- guided: CFG 4, cond and uncond batched, --guided-mode (cfg-parallel); runs of
-  --guided-steps steps, timed per step and extrapolated to 50 steps (the table says so);
-- turbo: CFG 1, --turbo-steps (4) steps, --turbo-mode (sequence-parallel).
+- guided: CFG 4, cond and uncond batched, --guided-mode (auto, the node's default: the batch
+  over CFG groups, sequence parallel within each); runs of --guided-steps steps, timed per
+  step and extrapolated to 50 steps (the table says so);
+- turbo: CFG 1, --turbo-steps (4) steps, --turbo-mode (auto: sequence parallel).
+--profile adds rank 0's GPU time per kernel for one more run of each case.
 Each side runs once untimed first (on the multi-GPU side: the workers' start and the weight
 broadcast, reported as first_s), then --repeats timed runs (median). rel_l2: the multi-GPU
 latent against the single-GPU one. GPU memory in use per device is read from NVML at the end.
@@ -84,6 +86,28 @@ def timed(run, repeats):
     return first, statistics.median(times), out
 
 
+def profile(run, top: int = 12) -> dict[str, float]:
+    """One run of `run` under torch's profiler: rank 0's GPU time (ms) per kernel, the `top`
+    kernels, NCCL's kernels together, and the run's wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    t0 = time.perf_counter()
+    try:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            run()
+        wall = time.perf_counter() - t0
+        times = {e.key: e.device_time_total / 1e3 for e in p.key_averages()
+                 if e.device_time_total > 0 and e.device_type.name == "CUDA"}  # fmt: skip
+    except Exception as e:  # the timed rows stand without it
+        return {f"profile failed: {type(e).__name__}: {e}"[:90]: 0.0}
+    out = dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+    out["all NCCL kernels"] = sum(ms for k, ms in times.items() if "nccl" in k.lower())
+    out["all kernels"] = sum(times.values())
+    out["wall (profiled)"] = wall * 1e3
+    return {k[:90]: round(v, 1) for k, v in out.items()}
+
+
 def memory_gib(gpus):
     """GPU memory in use per device (NVML: every process's, the workers' included)."""
     import torch
@@ -101,12 +125,15 @@ def main():
     p.add_argument("--layers", type=int, default=60, help="60 = the real model")
     p.add_argument("--variant", default="fp8_fast fused sdpa", choices=PACK_VARIANTS)
     p.add_argument("--guided-steps", type=int, default=4, help="timed, extrapolated to 50")
-    p.add_argument("--guided-mode", default="cfg-parallel")
+    p.add_argument("--guided-mode", default="auto", help="the node's default")
     p.add_argument("--turbo-steps", type=int, default=4)
-    p.add_argument("--turbo-mode", default="sequence-parallel")
+    p.add_argument("--turbo-mode", default="auto")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sampler", choices=["ksampler", "graph"], default="ksampler",
                    help="graph: the CUDA Graph Sampler, whole CFG steps, on both")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="one more multi-GPU run per case under torch's profiler: rank 0's "
+                   "kernels by GPU time, NCCL's among them")  # fmt: skip
     a = p.parse_args()
     fp32 = a.variant.startswith("fp32")
     setup_comfy(highvram=True, force_fp32=fp32)  # the DiT stays on GPU 0 between runs
@@ -139,6 +166,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         multi_first, multi_s, out = timed(sampler(multi, steps, cfg, a.size, graph), a.repeats)
         stats = multigpu.driver_of(multi).stats
+        kernels = profile(sampler(multi, steps, cfg, a.size, graph)) if a.profile else None
         row = {"case": name, "mode": mode, "cfg": cfg, "steps": steps,
                "single_s": round(one_s, 3), "multi_s": round(multi_s, 3),
                "speedup": round(one_s / multi_s, 3), "rel_l2": bench.rel_l2(out, ref),
@@ -146,6 +174,8 @@ def main():
                "gpu0_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                "calls": {f"{g}x{s}": n for (g, s), n in stats.calls.items()},
                "local": dict(stats.local)}  # fmt: skip
+        if kernels is not None:
+            row["rank0_kernels_ms"] = kernels
         if name == "guided":  # per-step time x 50, not a 50-step run
             row["single_50_steps_s_extrapolated"] = round(one_s / steps * 50, 1)
             row["multi_50_steps_s_extrapolated"] = round(multi_s / steps * 50, 1)
@@ -163,6 +193,8 @@ def main():
         print(f"{r['case']:7} {r['mode']:18} {r['cfg']:4.1f} {r['steps']:5d} {r['single_s']:8.2f} "
               f"{r['multi_s']:8.2f} {r['speedup']:7.3f} {r['rel_l2']:9.2e} {first:>14}  "
               f"calls {r['calls']}")  # fmt: skip
+        for kernel, ms in r.get("rank0_kernels_ms", {}).items():
+            print(f"        rank 0 {ms:9.1f} ms  {kernel}")
         if "single_50_steps_s_extrapolated" in r:
             print(f"        50 steps, extrapolated from {r['steps']}: "
                   f"{r['single_50_steps_s_extrapolated']} s on 1 GPU, "

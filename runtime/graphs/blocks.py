@@ -100,7 +100,7 @@ class CudaBlockCapture:
             except BaseException:
                 with contextlib.suppress(Exception):  # the stream's capture ended
                     graph.capture_end()
-                end_failed_capture(graph)
+                end_failed_capture(self.pool)
                 raise
         torch.cuda.current_stream().wait_stream(side)
         return graph.replay

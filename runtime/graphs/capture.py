@@ -54,29 +54,30 @@ class CudaGraphs:
                 first.record_stream(torch.cuda.current_stream())
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
-            graph = torch.cuda.CUDAGraph()
+            graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
             try:
-                with torch.cuda.graph(graph, capture_error_mode=mode):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                     out = run()
             except BaseException:
-                end_failed_capture(graph)
+                end_failed_capture(pool)
                 raise
         finally:
             _capturing.reset(token)
-        nbytes = pool_bytes(graph.pool())
+        nbytes = pool_bytes(pool)
         if nbytes is None:
             nbytes = torch.cuda.memory_reserved() - before
         return graph.replay, out, nbytes, first
 
 
-def end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """After a capture that failed, once its `capture_end` was called: the allocator no longer
-    routing this stream's allocations to the graph's pool. torch's `capture_end` raises before
-    it tells the allocator where the capture was invalidated (another unsafe call, a failed
-    allocation), and every later capture then failed with "already recording to mempool_id",
-    every later allocation of the stream going to a dead pool."""
+def end_failed_capture(pool) -> None:
+    """After a capture into `pool` (its handle) that failed, once its `capture_end` was called:
+    the allocator no longer routing this stream's allocations to the pool. torch's
+    `capture_end` raises before it tells the allocator where the capture was invalidated
+    (another unsafe call, a failed allocation), and every later capture then failed with
+    "already recording to mempool_id", every later allocation of the stream going to a dead
+    pool. The handle is the caller's: the graph's `pool()` raises after a failed capture."""
     with contextlib.suppress(Exception):  # raises where capture_end got that far
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
 def pool_bytes(pool) -> int | None:
