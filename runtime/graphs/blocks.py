@@ -75,7 +75,7 @@ class CudaBlockCapture:
     """The real backend: each block's graph captured on the side stream into one pool."""
 
     def __init__(self):
-        self.pool = None
+        self.pools = []  # the last one captures; one more after each failed capture
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -85,31 +85,35 @@ class CudaBlockCapture:
         """`run` captured into the pool; `need`: bytes it may allocate. The allocator cannot
         free cached memory during a capture, so where the driver has less free it is freed
         first (what torch.cuda.graph does before every capture, with a synchronize)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        if not self.pools:
+            self.pools.append(torch.cuda.graph_pool_handle())
+        pool = self.pools[-1]
         if torch.cuda.mem_get_info()[0] < need:
             torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         side = side_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 run()
                 graph.capture_end()
             except BaseException:
                 with contextlib.suppress(Exception):  # the stream's capture ended
                     graph.capture_end()
-                end_failed_capture(self.pool)
+                end_failed_capture(pool)
+                # where torch's allocator still counts the pool as capturing (seen on an
+                # H200, torch 2.11), every later capture into it would fail: a new one
+                self.pools.append(torch.cuda.graph_pool_handle())
                 raise
         torch.cuda.current_stream().wait_stream(side)
         return graph.replay
 
     def pool_bytes(self) -> int:
-        return 0 if self.pool is None else pool_bytes(self.pool) or 0
+        return pool_bytes(*self.pools) or 0
 
     def reset(self) -> None:
-        self.pool = None  # freed with the last graph that uses it
+        self.pools = []  # each freed with the last graph that uses it
 
 
 class Chain:

@@ -80,14 +80,13 @@ def end_failed_capture(pool) -> None:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
-def pool_bytes(pool) -> int | None:
-    """What the segments of a graph's memory pool hold; None where the allocator lists none
+def pool_bytes(*pools) -> int | None:
+    """What the segments of graphs' memory pools hold; None where the allocator lists none
     (cudaMallocAsync). The growth of reserved memory over a capture is no measure: where
     memory is short, the allocator frees cached blocks to make the pool."""
     try:
         segments = torch.cuda.memory_snapshot()
     except RuntimeError:
         return None
-    return sum(
-        s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
-    )
+    ids = {tuple(pool) for pool in pools}
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) in ids)
