@@ -11,6 +11,8 @@ blocks replayed; a patch the policy does not know keeps them eager, still exact.
 import importlib.util
 import sys
 
+import comfy.model_patcher
+import comfy.ops
 import pytest
 import torch
 
@@ -18,17 +20,20 @@ import nodes
 from qwen_turbo.nodes import graph_sampler
 from qwen_turbo.runtime import memory
 from qwen_turbo.runtime.dit import config, loader
+from qwen_turbo.runtime.graphs import blocks as block_graphs
 from qwen_turbo.runtime.graphs import policy, sampling
-from tests.harness.compat_nodes import apply_instantx, diffsynth, instantx
+from tests.harness.compat_nodes import StandInVAE, apply_instantx, diffsynth, instantx
 from tests.harness.graphs import TracedBlocks, TracedGraphs
+from tests.test_block_graphs import _inputs, _model, _patched
 
 STEPS, CFG = 4, 2.5
 
 
 @pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
+def torch_kernels(request, monkeypatch):
     """The kernels as their torch references: a Triton launch is no op the recorder sees."""
-    monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
 
 
 @pytest.fixture
@@ -177,3 +182,73 @@ def test_block_patch_policy_knows_comfys_diffsynth_patch_alone(monkeypatch):
     )
     replaced = {"patches_replace": {"dit": {("double_block", 0): _nudge}}}
     assert policy.block_patches(replaced) == "model patches (dit) run Python per step"
+
+
+def _control_inputs(patcher, seed, size):
+    """What a transformer call gets from each ControlNet path, new values per seed: InstantX's
+    residuals (the `control` argument, one per block, the last None) and a DiffSynth patch in
+    transformer_options (a random block-wise ControlNet of the DiT's width and depth)."""
+    mp = importlib.import_module("comfy_extras.nodes_model_patch")
+    dit, device = patcher.model.diffusion_model, patcher.load_device
+    n, width = len(dit.transformer_blocks), dit.inner_dim
+    g = torch.Generator().manual_seed(100 + seed)
+    tokens = (size[0] // 2) * (size[1] // 2)
+    residuals = [torch.randn(1, tokens, width, generator=g).to(device, torch.bfloat16) * 0.1
+                 for _ in range(n - 1)] + [None]  # fmt: skip
+    net = mp.QwenImageBlockWiseControlNet(
+        num_layers=n, dim=width, device=device, dtype=torch.bfloat16,
+        operations=comfy.ops.manual_cast,
+    )  # fmt: skip
+    for p in net.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.1).to(device, torch.bfloat16)
+    holder = comfy.model_patcher.ModelPatcher(net, load_device=device, offload_device=device)
+    image = torch.rand((1, size[0] * 8, size[1] * 8, 3), generator=g).to(device)
+    patch = mp.DiffSynthCnetPatch(holder, StandInVAE(), image, 0.7)
+    return {"input": residuals}, {"patches": {"double_block": [patch]}}
+
+
+def _control_call(patcher, inputs, control, options):
+    x, ctx, t = inputs
+    opts = dict(patcher.model_options.get("transformer_options", {}), **options)
+    return patcher.model.apply_model(x, t, c_crossattn=ctx, control=control,
+                                     transformer_options=opts)  # fmt: skip
+
+
+def _replays_with_controls(plain, patcher, graphs, tokens, size, calls=4):
+    """New inputs and new ControlNet inputs every call, both paths at once: the blocks'
+    replays give the eager blocks' bits."""
+    for seed in range(calls):
+        inputs = _inputs(plain, seed, tokens=tokens, size=size)
+        control, options = _control_inputs(plain, seed, size)
+        want = _control_call(plain, inputs, control, options)
+        assert not torch.equal(want, _control_call(plain, inputs, None, {}))
+        got = _control_call(patcher, inputs, control, options)
+        assert torch.equal(got, want)
+    n = len(graphs.blocks)
+    assert graphs.replays == (calls - 1) * n and not graphs.refused  # a capture replays
+
+
+def test_transformer_calls_with_both_controlnets_replay_their_blocks(narrow_sd):
+    """A transformer call as ComfyUI makes it with both ControlNets: the residuals added in
+    place into the replayed blocks' buffers, the DiffSynth patch run between the blocks."""
+    plain, _ = _model(narrow_sd, graphs=False)
+    patcher, graphs = _model(narrow_sd)
+    with _patched(plain, patcher):
+        _replays_with_controls(plain, patcher, graphs, tokens=7, size=(12, 10))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_controlnets_with_block_graphs_full_width_on_gpu(monkeypatch):
+    """The same with CUDA graphs: six full-width blocks, fp8_fast with fp8_cudnn attention,
+    1328², both ControlNets' inputs new at every call."""
+    from qwen_turbo.cli import bench
+
+    sd = {k: v.cpu() for k, v in bench.qwen_dit_state_dict(6, "cuda").items()}
+    monkeypatch.setattr(loader.mm, "get_torch_device", lambda: torch.device("cuda"))
+    plain, _ = _model(sd, graphs=False)
+    patcher, graphs = _model(sd, backend=block_graphs.CudaBlockCapture())
+    for p in (plain, patcher):
+        loader.set_attention(p, "fp8_cudnn")
+    with _patched(plain, patcher):
+        _replays_with_controls(plain, patcher, graphs, tokens=256, size=(166, 166))
