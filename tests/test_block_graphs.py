@@ -18,33 +18,7 @@ from qwen_turbo.runtime.dit import config, fp8, loader, probe, streaming
 from qwen_turbo.runtime.dit.attention import OVERRIDE
 from qwen_turbo.runtime.graphs import blocks
 from tests.harness import models
-from tests.harness.graphs import Recorder
-
-
-class TracedBlocks:
-    """Captures by recording `run`'s ops (running it once); a replay runs them again."""
-
-    def __init__(self, oom=False):
-        self.captures = 0
-        self.oom = oom
-
-    @staticmethod
-    def supports(x):
-        return True
-
-    def capture(self, run, need):
-        self.captures += 1
-        if self.oom:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate")
-        with torch.no_grad(), Recorder() as recorder:
-            run()
-        return recorder.replay
-
-    def pool_bytes(self):
-        return 100
-
-    def reset(self):
-        pass
+from tests.harness.graphs import TracedBlocks
 
 
 def _model(sd, graphs=True, backend=None):

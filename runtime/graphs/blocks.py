@@ -8,7 +8,10 @@ addresses at every call) is captured once per call signature and then replayed
 (`BlockGraphs.forward`, the block's forward as an object patch, inside the weight streamer's):
 its host time is a few copies and one launch. Blocks with a layer that copies or patches its
 weights in the call (ComfyUI's own copies, a LoRA on an offloaded layer), and calls with Python
-that a replay would skip, run eagerly.
+that a replay would skip, run eagerly. Python between the blocks runs at every call: ComfyUI adds
+a ControlNet's residuals (the transformer's `control` argument) into a replayed block's output,
+in place, and model patches known to keep none of the outputs (`policy.block_patches`: DiffSynth's
+ControlNet) do the same; the next block reads that buffer as it is.
 
 Each call signature (the shapes, strides and dtypes of the block's tensor arguments, its other
 arguments, `call_key()`: the lockstep call, the fp8 compute mode) has a `Chain`: static inputs
@@ -213,7 +216,8 @@ class BlockGraphs:
         self.out_of_memory = False
         self.out_of_memory_errors = 0
         self._pool_bytes: int | None = 0
-        self.replays = 0  # for tests
+        self.replays = 0  # for the sampler's badge and tests
+        self.refused: dict[str, int] = {}  # block calls kept eager by foreign code, by reason
         self.told_room = False  # logged once that a capture had no room
 
     # memory.Holder
@@ -258,7 +262,10 @@ class BlockGraphs:
         ):  # fmt: skip
             return None
         options = kwargs.get("transformer_options") or {}
-        if foreign_code(options, "diffusion_model", []) is not None:
+        why = foreign_code(options, "diffusion_model", [], blocks=True)
+        if why is not None:
+            self.refused[why] = self.refused.get(why, 0) + 1
+            log_once(log, logging.INFO, f"Block graphs: blocks run eagerly: {why}")
             return None
         sig = signature(kwargs)
         weights = self._weights(i, x.device) if sig is not None else None

@@ -6,9 +6,19 @@ inside the region, model patch, callable transformer option, object patch (other
 ComfyUI's model sampling, and a wrapped diffusion-model forward for the innermost runner) or,
 for a whole step, CFG function or per-step callback keeps that region out of a graph
 (`foreign_code`); the call goes on to the next runner inside, or runs eagerly.
+
+A block graph (`blocks`) holds one transformer block's forward alone: a model patch that runs
+between the blocks (a ControlNet's, adding its residual to a block's output) runs eagerly
+around it at every call. What it must not do is keep the tensors it is handed past its call:
+a replayed block's output is a graph's buffer, which a later block overwrites. The patches
+known not to (`BETWEEN_BLOCKS`) leave block graphs on (`block_patches`); any other keeps them
+off.
 """
 
 import inspect
+from pathlib import Path
+
+import comfy.patcher_extension
 
 # The pack's package, as ComfyUI names it (after its folder), and the prefixes of its own modules.
 # Not every module under that name is the pack's: the tests import as `<pack>.tests.…` from a
@@ -30,6 +40,17 @@ PER_STEP_OPTIONS = (
     "sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function",
     "sampler_calc_cond_batch_function", "model_function_wrapper", "context_handler",
 )  # fmt: skip
+
+
+# Model patches that run between the transformer blocks and keep none of the tensors they are
+# given: their kind in transformer_options["patches"], and their classes as ComfyUI's file
+# (under its folder) and name. DiffSynth's ControlNet patch (QwenImageDiffsynthControlnet)
+# adds its control block's output into the block's output in place, re-encoding its picture
+# where the latent's size changed, and returns the same tensors.
+BETWEEN_BLOCKS = {
+    "double_block": {(("comfy_extras", "nodes_model_patch.py"), "DiffSynthCnetPatch")}
+}
+COMFY_ROOT = Path(comfy.patcher_extension.__file__).resolve().parents[1]
 
 
 def region(options: dict, level: str) -> tuple:
@@ -56,11 +77,43 @@ def model_patches(options: dict) -> str | None:
     return f"model patches ({', '.join(patches)}) run Python per step" if patches else None
 
 
-def foreign_code(options: dict, level: str, inner: list) -> str | None:
+def comfy_class(obj, file: tuple[str, ...], name: str) -> bool:
+    """Whether `obj` is an instance of ComfyUI's class `name` defined in its file `file` (its
+    path under ComfyUI's folder), its call not replaced. ComfyUI's node loader names the
+    modules of comfy_extras after their paths, so the module's name says nothing."""
+    cls = type(obj)
+    call = getattr(vars(cls).get("__call__"), "__code__", None)  # its own, not inherited
+    try:
+        where = Path(inspect.getfile(cls)).resolve()
+    except (TypeError, OSError):
+        return False
+    want = COMFY_ROOT.joinpath(*file)
+    return cls.__qualname__ == name and where == want and call is not None and (
+        Path(call.co_filename).resolve() == want
+    )  # fmt: skip
+
+
+def block_patches(options: dict) -> str | None:
+    """Why the model patches in transformer `options` keep the transformer blocks out of block
+    graphs: a patch that runs inside a block (attention patches), replaces one, or runs
+    between blocks and is not known to keep none of the block's outputs (`BETWEEN_BLOCKS`);
+    None where every patch runs between blocks and is known."""
+    for kind, fns in options.get("patches", {}).items():
+        known = BETWEEN_BLOCKS.get(kind, ())
+        for fn in fns:
+            if not any(comfy_class(fn, file, name) for file, name in known):
+                what = getattr(fn, "__qualname__", type(fn).__qualname__)
+                return f"model patch {what} ({kind}) runs Python per step"
+    replaced = [*options.get("patches_replace", {})]
+    return f"model patches ({', '.join(replaced)}) run Python per step" if replaced else None
+
+
+def foreign_code(options: dict, level: str, inner: list, blocks: bool = False) -> str | None:
     """Why Python that a replay would skip runs inside a graph captured at `level`: a wrapper
     among `inner` (those inside the runner's own at `level`) or at a level below it, a model
     patch or a callable transformer option, none of them the pack's; None if there is none.
-    `options`: the transformer_options of the call."""
+    `options`: the transformer_options of the call. `blocks`: for a block graph, where model
+    patches between the blocks may run outside it (`block_patches`)."""
     wrappers = options.get("wrappers", {})
     for lvl in STEP_LEVELS[STEP_LEVELS.index(level) :]:
         for key, fns in wrappers.get(lvl, {}).items():
@@ -69,7 +122,7 @@ def foreign_code(options: dict, level: str, inner: list) -> str | None:
                 foreign = not own(fn) or getattr(fn, "runs_python_per_call", False)
                 if inside and key not in SAFE_WRAPPERS and foreign:
                     return f"{key!r} {lvl} wrapper runs Python per step"
-    why = model_patches(options)
+    why = block_patches(options) if blocks else model_patches(options)
     if why is not None:
         return why
     for key, value in options.items():

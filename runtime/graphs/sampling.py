@@ -38,6 +38,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
         if cuda else (None, None)
     )  # fmt: skip
     model, finite_guard = guard.guarded(model)
+    block_status = count_blocks(model.model)
     if cuda and cfg != 1.0:  # cfg 1 runs no uncond
         model = model.clone()
         model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, KEY, room_for_cond_batch)
@@ -58,7 +59,7 @@ def sample(model, capture, seed, steps, cfg, sampler_name, scheduler, positive, 
             "Loader with weight_dtype bf16."
         )
     state = getattr(model.model, "qwen_turbo", None)  # the Optimized Loader's model
-    notes = [graphs, finite_guard.note(), getattr(state, "fidelity", None)]
+    notes = [graphs, *block_status(), finite_guard.note(), getattr(state, "fidelity", None)]
     return latent, note, "; ".join(filter(None, notes))
 
 
@@ -225,6 +226,23 @@ def sample_with_graphs(model, whole_step, backend, *args, **kwargs):
     status = count_run(run.model)
     latent = comfy_nodes.common_ksampler(run, *args, **kwargs)[0]
     return latent, "; ".join(filter(None, [status(), trim_graphs(run.load_device), *skipped]))
+
+
+def count_blocks(model):
+    """Start counting a run of the Optimized Loader's block graphs (`blocks`) on `model`: the
+    function returned gives, after the run, its replays and the reasons blocks ran eagerly
+    ('blocks replayed 120', 'blocks eager: model patch ...'); nothing for another model."""
+    graphs = getattr(getattr(model, "qwen_turbo", None), "block_graphs", None)
+    if graphs is None:
+        return list
+    replays, refused = graphs.replays, dict(graphs.refused)
+
+    def status() -> list[str]:
+        n = graphs.replays - replays
+        reasons = [f"blocks eager: {r}" for r, k in graphs.refused.items() if k > refused.get(r, 0)]
+        return [f"blocks replayed {n}"] * bool(n) + reasons
+
+    return status
 
 
 def with_cuda_graphs(model, backend=CudaGraphs, whole_step=False):

@@ -76,6 +76,42 @@ def diffsynth(model, height=48, width=64, dtype=torch.float32):
                       model_patch=patch, vae=StandInVAE(), image=image, strength=1.0)  # fmt: skip
 
 
+def instantx(model, height=48, width=64, strength=1.0, dtype=torch.float32):
+    """A random InstantX ControlNet of the DiT's width and depth as ComfyUI's ControlNet object
+    (what `comfy.controlnet.load_controlnet_qwen_instantx` builds from a file, whose model
+    detection reads full-width configs only), with a `height`×`width` hint picture and a
+    stand-in VAE: pass it to ControlNetApplyAdvanced."""
+    import comfy.controlnet
+    import comfy.latent_formats
+    from comfy.ldm.qwen_image.controlnet import QwenImageControlNetModel
+
+    dit = model.model.diffusion_model
+    attn = dit.transformer_blocks[0].attn
+    net = QwenImageControlNetModel(
+        num_layers=len(dit.transformer_blocks), attention_head_dim=attn.dim_head,
+        num_attention_heads=attn.heads, joint_attention_dim=dit.txt_in.weight.shape[1],
+        axes_dims_rope=tuple(dit.pe_embedder.axes_dim), operations=comfy.ops.manual_cast,
+        dtype=dtype,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    for p in net.parameters():  # ComfyUI's ops leave them uninitialized
+        p.data = (torch.randn(p.shape, generator=g) * 0.1).to(dtype)
+    control = comfy.controlnet.ControlNet(
+        net, compression_ratio=1, latent_format=comfy.latent_formats.Wan21(),
+        load_device=mm.get_torch_device(), manual_cast_dtype=None, extra_conds=[],
+    )  # fmt: skip
+    image = torch.rand((1, height, width, 3), generator=torch.Generator().manual_seed(6))
+    return control, image
+
+
+def apply_instantx(positive, negative, control, image, strength=1.0, end=1.0):
+    """ControlNetApplyAdvanced, as the executor runs it (with a stand-in VAE)."""
+    with torch.no_grad():
+        node = nodes.ControlNetApplyAdvanced()
+        return node.apply_controlnet(positive, negative, control, image, strength, 0.0, end,
+                                     vae=StandInVAE())  # fmt: skip
+
+
 def path_taken(status: str, whole_step: bool) -> str:
     """The badge text of a run ('captured 1, replayed 5, eager 2; reasons') as a path."""
     if status.startswith("ran as KSampler"):

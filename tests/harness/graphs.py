@@ -1,6 +1,6 @@
 """Stand-ins for the CUDA graph backend (`runtime.graphs.capture.CudaGraphs`) that run on CPU:
-capture once, replay into the same output buffer from the static inputs. `cached`: a model
-through a step-caching node."""
+capture once, replay into the same output buffer from the static inputs; `TracedBlocks`, the
+same for the block graphs. `cached`: a model through a step-caching node."""
 
 import comfy.model_management
 import torch
@@ -102,6 +102,33 @@ class CountingGraphs(TracedGraphs):
             replay()
 
         return counted, out, nbytes, first
+
+
+class TracedBlocks:
+    """A stand-in for the block graphs' backend (`runtime.graphs.blocks.CudaBlockCapture`):
+    captures by recording `run`'s ops (running it once); a replay runs them again."""
+
+    def __init__(self, oom=False):
+        self.captures = 0
+        self.oom = oom
+
+    @staticmethod
+    def supports(x):
+        return True
+
+    def capture(self, run, need):
+        self.captures += 1
+        if self.oom:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate")
+        with torch.no_grad(), Recorder() as recorder:
+            run()
+        return recorder.replay
+
+    def pool_bytes(self):
+        return 100
+
+    def reset(self):
+        pass
 
 
 def cached(node, model):
