@@ -75,7 +75,7 @@ def end_failed_capture(pool) -> None:
     `capture_end` raises before it tells the allocator where the capture was invalidated
     (another unsafe call, a failed allocation), and every later capture then failed with
     "already recording to mempool_id", every later allocation of the stream going to a dead
-    pool. The handle is the caller's: the graph's `pool()` raises after a failed capture."""
+    pool. The handle is the caller's, known whatever state the failed capture left."""
     with contextlib.suppress(Exception):  # raises where capture_end got that far
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
