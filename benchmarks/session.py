@@ -240,8 +240,9 @@ def run_child(a, card_gib: float, variant: str, gpu: int | None = None) -> list[
     if a.dynamic_vram:
         argv.append("--dynamic-vram")
     env = dict(os.environ)
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if gpu is not None:  # the gpu-th of those this process sees
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
         argv.append("--ram-held")
     rows, t0 = [], time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
