@@ -24,16 +24,14 @@ from qwen_turbo.runtime.graphs import blocks as block_graphs
 from qwen_turbo.runtime.graphs import policy, sampling
 from tests.harness.compat_nodes import StandInVAE, apply_instantx, diffsynth, instantx
 from tests.harness.graphs import TracedBlocks, TracedGraphs
-from tests.test_block_graphs import _inputs, _model, _patched
+from tests.test_block_graphs import (
+    _inputs,
+    _model,
+    _patched,
+    torch_kernels,  # noqa: F401  (autouse: the kernels' torch references)
+)
 
 STEPS, CFG = 4, 2.5
-
-
-@pytest.fixture(autouse=True)
-def torch_kernels(request, monkeypatch):
-    """The kernels as their torch references: a Triton launch is no op the recorder sees."""
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("QWEN_TURBO_DISABLE_KERNELS", "1")
 
 
 @pytest.fixture
