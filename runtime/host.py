@@ -54,6 +54,7 @@ def params(module: str, path: str, *names: str) -> Callable[[], str | None]:
 
 
 QWEN = "comfy.ldm.qwen_image.model"
+LUMINA = "comfy.ldm.lumina.model"
 BLOCK_ARGS = (
     "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
     "image_rotary_emb", "transformer_options",
@@ -65,6 +66,19 @@ FEATURES: dict[str, list[Callable[[], str | None]]] = {
         params(QWEN, "QwenImageTransformerBlock.forward", *BLOCK_ARGS),
         attr(QWEN, "optimized_attention_masked"),
         attr(QWEN, "QwenImageTransformerBlock._modulate"),
+    ],
+    "fused_nextdit_blocks": [
+        params(
+            LUMINA,
+            "JointTransformerBlock.forward",
+            "x",
+            "x_mask",
+            "freqs_cis",
+            "adaln_input",
+            "transformer_options",
+        ),  # fmt: skip
+        params(LUMINA, "JointAttention.forward", "x", "x_mask", "freqs_cis", "transformer_options"),
+        attr(LUMINA, "FeedForward._forward_silu_gating"),  # SwiGLU: w2(silu(w1 x) * w3 x)
     ],
     "fp8_weights": [  # what dit.fp8.Fp8Linear calls
         attr("comfy.ops", "cast_bias_weight"),

@@ -76,7 +76,7 @@ def test_wrong_files_are_named(narrow_sd):
     lora = load_file(str(models.narrow_lora_file()))
     with pytest.raises(config.NotQwenImageDiT, match="a LoRA"):
         config.read_config(lora)
-    with pytest.raises(config.NotQwenImageDiT, match="no Qwen-Image DiT keys.*'foo.bar'"):
+    with pytest.raises(config.NotQwenImageDiT, match="no Qwen-Image or NewBie DiT keys.*'foo.bar'"):
         config.read_config({"foo.bar": torch.ones(2)})
     broken = {k: v for k, v in narrow_sd.items() if not k.startswith("transformer_blocks.0.")}
     with pytest.raises(config.NotQwenImageDiT, match="norm_q"):
@@ -90,7 +90,7 @@ def test_node_errors_name_the_problem(diffusion_models, models_dir):
         Loader.execute("missing.safetensors", "auto", "auto", True, "off")
     (diffusion_models / "vae_by_mistake.safetensors").symlink_to(models.qwen_vae_file())
     try:
-        with pytest.raises(ValueError, match="vae_by_mistake.*not a Qwen-Image DiT.*VAE"):
+        with pytest.raises(ValueError, match="vae_by_mistake.*not a Qwen-Image or NewBie.*VAE"):
             Loader.execute("vae_by_mistake.safetensors", "auto", "auto", True, "off")
     finally:
         (diffusion_models / "vae_by_mistake.safetensors").unlink()

@@ -21,13 +21,15 @@ from tests.harness.templates import TEMPLATES, scaled_template, template
 from tests.harness.workflows import (
     SCALED,
     WORKFLOWS,
+    is_newbie,
     link_edit_2511,
     put_input_image,
     scaled_for_cpu,
 )
 
-LOADERS = {"QwenTurboLoader", "CLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "image"}
+LOADERS = {"QwenTurboLoader", "CLIPLoader", "DualCLIPLoader", "VAELoader", "LoraLoaderModelOnly"}
+FILE_INPUTS = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "lora_name",
+               "image"}  # fmt: skip
 # What the frontend's zod schema for workflow version 0.4 requires (workflowSchema.ts:
 # zComfyWorkflow and zComfyNode); test_schema_rules_are_the_frontends checks them against the
 # installed frontend. Its `id` is optional, but must be a UUID when present.
@@ -47,6 +49,8 @@ def test_every_expected_workflow_is_bundled():
         "qwen_image_2512_t2i_1328px.json",
         "qwen_image_edit_2509_2512px.json",
         "qwen_image_edit_2511_2512px.json",
+        "newbie_image_exp0.1_1024px.json",
+        "newbie_image_exp0.1_2048px.json",
     }
 
 
@@ -123,6 +127,8 @@ def test_full_size_graph_is_valid(comfy_server, path):
     info = comfy_server.get("/object_info")
     ui = json.loads(path.read_text())
     api = ui_to_api(ui, info)  # node types and widget counts
+    if is_newbie(api) and not models.host_takes_newbie():
+        pytest.skip("this ComfyUI has no NewBie text encoder (DualCLIPLoader type 'newbie')")
     for node_id, node in api.items():
         spec = info[node["class_type"]]["input"]
         for name, value in node["inputs"].items():
@@ -134,14 +140,15 @@ def test_full_size_graph_is_valid(comfy_server, path):
                 assert value in options, (node_id, name, value)
     for node in ui["nodes"]:
         if node["type"] in LOADERS:
-            (model,) = node["properties"]["models"]
-            assert model["name"] in node["widgets_values"]
-            assert model["url"].startswith("https://huggingface.co/") and model["url"].endswith(
-                model["name"]
-            )
-            assert model["directory"] in {"diffusion_models", "text_encoders", "vae", "loras"}
+            listed = node["properties"]["models"]
+            assert len(listed) == (2 if node["type"] == "DualCLIPLoader" else 1)
+            for model in listed:
+                assert model["name"] in node["widgets_values"]
+                assert model["url"].startswith("https://huggingface.co/")
+                assert model["url"].endswith(model["name"])
+                assert model["directory"] in {"diffusion_models", "text_encoders", "vae", "loras"}
     sizes = [n["inputs"]["width"] for n in api.values() if "width" in n["inputs"]]
-    assert all(s % 16 == 0 for s in sizes) and max(sizes) in (1328, 2512)
+    assert all(s % 16 == 0 for s in sizes) and max(sizes) in (1024, 1328, 2048, 2512)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
@@ -155,11 +162,16 @@ def test_workflow_runs_on_tiny_models(comfy_server, models_dir, path):
                            "default_ref_method.*update ComfyUI"):  # fmt: skip
             comfy_server.run(api)
         return
+    if path.stem.startswith("newbie") and not models.host_takes_newbie():
+        with pytest.raises(RuntimeError, match="QwenTurboLoader.*NewBie-image needs "
+                           "clip_text_dim.*update ComfyUI"):  # fmt: skip
+            comfy_server.run(api)
+        return
     entry = comfy_server.run(api)
     (save,) = [k for k, n in api.items() if n["class_type"] == "QwenTurboSaveImage"]
     (image,) = comfy_server.images(entry, save)
     pixels = np.asarray(Image.open(image).convert("RGB"))
-    side = SCALED[1328 if path.stem.endswith("1328px") else 2512]
+    side = SCALED[int(re.search(r"_(\d+)px$", path.stem).group(1))]
     assert pixels.shape == (side, side, 3)
     assert pixels.std() > 1, "flat image"
 

@@ -76,17 +76,19 @@ QUANTIZED = {name: functools.partial(attention_fp8, kernel=kernel)
 OVERRIDE = "optimized_attention_override"  # ComfyUI's transformer option for an attention
 
 
-def attention_override(name: str, amax_group=None, safe_blocks: set[int] = frozenset()):
+def attention_override(name: str, amax_group=None, safe_blocks: set[int] = frozenset(),
+                       unindexed_exact: bool = False):  # fmt: skip
     """A `transformer_options["optimized_attention_override"]` running backend `name`; a
     quantized one with the scales of all ranks of the process group `amax_group` (see
     `attention_fp8`). Transformer blocks in `safe_blocks` (read at each call) take ComfyUI's
-    attention."""
+    attention; with `unindexed_exact`, so do calls outside the indexed blocks (NextDiT's
+    refiner blocks, which the fidelity probe does not measure)."""
     if name in QUANTIZED:
         group = register_amax_group(amax_group) if amax_group is not None else ""
         core = quantized(functools.partial(QUANTIZED[name], amax_group=group))
     else:
         core = sdpa(BACKENDS[name])
-    override = _override(core, safe_blocks)
+    override = _override(core, safe_blocks, unindexed_exact)
     override.backend = name  # what a Multi-GPU worker rebuilds it from
     override.collective = amax_group is not None and name in QUANTIZED
     return override
@@ -106,13 +108,15 @@ def unbuilt_override():
     return _override(sdpa(UNBUILT))
 
 
-def _override(core, safe_blocks: set[int] = frozenset()):
+def _override(core, safe_blocks: set[int] = frozenset(), unindexed_exact: bool = False):
     """`core` with ComfyUI's signature as an attention override; ComfyUI's own attention for
-    the transformer blocks in `safe_blocks`."""
+    the transformer blocks in `safe_blocks`, and with `unindexed_exact` for calls that name no
+    block."""
     attention = comfy_signature(core)
 
     def override(func, *args, **kwargs):
-        if safe_blocks and kwargs.get("transformer_options", {}).get("block_index") in safe_blocks:
+        index = kwargs.get("transformer_options", {}).get("block_index")
+        if (index is None and unindexed_exact) or (safe_blocks and index in safe_blocks):
             return func(*args, **kwargs)
         kwargs.pop("_inside_attn_wrapper", None)
         kwargs.pop("transformer_options", None)

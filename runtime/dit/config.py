@@ -24,7 +24,7 @@ FAMILIES = (
     ("double_blocks.0.img_attn.qkv.weight", "a Flux DiT"),
     ("joint_blocks.0.context_block.attn.qkv.weight", "an SD3 MMDiT"),
     ("input_blocks.0.0.weight", "an SD/SDXL UNet"),
-    ("cap_embedder.0.weight", "a Lumina-2 / NewBie DiT"),
+    ("layers.0.adaLN_modulation.0.weight", "a Z-Image DiT"),
     ("blocks.0.self_attn.q.weight", "a Wan video DiT"),
     ("decoder.conv_in.weight", "a VAE"),
     ("decoder.middle.0.residual.0.gamma", "a Wan / Qwen-Image VAE"),
@@ -36,7 +36,7 @@ FAMILIES = (
 
 
 class NotQwenImageDiT(ValueError):
-    """The checkpoint is not a Qwen-Image DiT; the message says what it looks like."""
+    """The checkpoint is no DiT the Optimized Loader builds; the message says what it is."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,25 @@ class DiTConfig:
     default_ref_method: str = "index"
     use_additional_t_cond: bool = False
 
+    family = "Qwen-Image"
+    host_model = "QwenImage"  # comfy.supported_models' class
+    blocks = "transformer_blocks"  # the DiT's attribute holding its blocks
+
     @property
     def width(self) -> int:
         return self.attention_head_dim * self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_head_dim
+
+    @property
+    def name(self) -> str:
+        return "Qwen-Image"
+
+    def summary(self) -> str:
+        return (f"{self.num_layers} layers, width {self.width} ({self.num_attention_heads} "
+                f"heads of {self.head_dim}), text {self.joint_attention_dim}")  # fmt: skip
 
     def variant(self) -> dict:
         """The settings that differ from Qwen-Image's (and Edit-2509's): arguments of newer
@@ -76,7 +92,7 @@ def describe(keys) -> str:
         if any(marker in k for k in keys):
             return f"{family} ({len(keys)} tensors, e.g. {marker!r})"
     shown = ", ".join(repr(k) for k in keys[:3])
-    return f"{len(keys)} tensors with no Qwen-Image DiT keys (first: {shown})"
+    return f"{len(keys)} tensors with no Qwen-Image or NewBie DiT keys (first: {shown})"
 
 
 def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -97,7 +113,8 @@ def read_config(sd: dict[str, torch.Tensor], rope_axes=None) -> DiTConfig:
     norm_q = "transformer_blocks.0.attn.norm_q.weight"
     if missing or norm_q not in sd:
         raise NotQwenImageDiT(
-            f"not a Qwen-Image DiT: no {(missing or [norm_q])[0]!r}; found {describe(sd)}"
+            f"not a Qwen-Image or NewBie / Lumina-2 DiT: no {(missing or [norm_q])[0]!r}; "
+            f"found {describe(sd)}"
         )
     width, in_channels = sd["img_in.weight"].shape
     head_dim = sd[norm_q].shape[0]

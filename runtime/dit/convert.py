@@ -2,6 +2,7 @@
 scaled-fp8 layout, bf16 to fp8 with per-tensor scales, and back; the weight mode a load runs.
 Pure torch; never imports ComfyUI."""
 
+import functools
 import json
 import logging
 import math
@@ -33,11 +34,12 @@ def is_linear_weight(key: str, t: torch.Tensor) -> bool:
     return key.endswith(".weight") and t.ndim == 2
 
 
-def in_blocks(key: str) -> bool:
-    """Whether `key` is inside a transformer block: 99.8% of the weights. The rest (input and
-    output projections, the timestep embedding that drives every block's modulation) stay in
-    bf16 in the fp8 modes, for accuracy."""
-    return key.startswith("transformer_blocks.")
+def in_blocks(key: str, blocks: str = "transformer_blocks") -> bool:
+    """Whether `key` is inside one of the DiT's main blocks (its attribute `blocks`): 99.8%
+    of Qwen-Image's weights, 90% of NewBie's. The rest (input and output projections, the
+    timestep embedding that drives every block's modulation, NextDiT's refiner blocks) stay
+    in bf16 in the fp8 modes, for accuracy."""
+    return key.startswith(blocks + ".")
 
 
 def _no_progress() -> None:
@@ -134,11 +136,13 @@ def count_params(sd: dict[str, torch.Tensor]) -> int:
     return sum(math.prod(t.shape) for t in sd.values())
 
 
-def to_mode(sd: dict[str, torch.Tensor], mode: str, progress) -> dict[str, torch.Tensor]:
-    """`sd` as weight `mode` stores it: scaled fp8 in the fp8 modes, else without fp8 weights
-    (dequantized to bf16). `progress(n)` makes the step callback of a pass over n tensors."""
+def to_mode(sd: dict, mode: str, progress, blocks="transformer_blocks") -> dict:
+    """`sd` as weight `mode` stores it: scaled fp8 in the fp8 modes (the main `blocks`'
+    Linears), else without fp8 weights (dequantized to bf16). `progress(n)` makes the step
+    callback of a pass over n tensors."""
     if mode.startswith("fp8"):
-        return to_scaled_fp8(sd, step=progress(len(sd)))
+        quantize = functools.partial(in_blocks, blocks=blocks)
+        return to_scaled_fp8(sd, quantize, step=progress(len(sd)))
     if has_fp8_weights(sd):
         return dequantize(sd, torch.bfloat16, progress(len(sd)))
     return sd

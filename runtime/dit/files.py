@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from . import nextdit
 from .config import TIMESTEP_ZERO, DiTConfig, read_config
 from .convert import from_mixed, strip_prefix
 
@@ -85,12 +86,14 @@ def resolve(name: str) -> Path:
         f"{name!r} was not found in {where}. Put the Qwen-Image DiT there: "
         "qwen_image_2512_bf16.safetensors or qwen_image_2512_fp8_e4m3fn.safetensors "
         "(https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI), or a diffusers folder with "
-        "transformer/config.json and its safetensors shards."
+        "transformer/config.json and its safetensors shards; or NewBie-image's "
+        "NewBie-Image-Exp0.1-bf16.safetensors (https://huggingface.co/Comfy-Org/NewBie-image-Exp0.1_repackaged)."
     )
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], DiTConfig]:
-    """The DiT state dict (ComfyUI key names) and its config, from a file or a diffusers folder."""
+def read_checkpoint(path: Path) -> tuple[dict, DiTConfig | nextdit.NextDiTConfig]:
+    """The DiT state dict (ComfyUI key names) and its config (Qwen-Image's, or NewBie's and
+    Lumina-2's NextDiT), from a file or a diffusers folder (Qwen-Image)."""
     rope_axes, metadata = None, None
     try:
         if path.is_dir():
@@ -107,4 +110,4 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], DiTConfig]:
             "again and check its size."
         ) from e
     sd = from_mixed(strip_prefix(sd), metadata)
-    return sd, read_config(sd, rope_axes)
+    return sd, nextdit.read_config(sd) if nextdit.is_nextdit(sd) else read_config(sd, rope_axes)

@@ -4,9 +4,11 @@ backend and regional compile attached as object patches and model options. `load
 the Optimized Loader node calls."""
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
+import types
 from pathlib import Path
 
 import comfy.ldm.qwen_image.model as qwen_model
@@ -20,10 +22,11 @@ import torch
 from ...kernels import warmup
 from .. import host, log_once
 from ..graphs import blocks as block_graphs
-from . import blocks, convert, files, fp8, lockstep, probe, streaming
+from . import blocks, convert, files, fp8, lockstep, nextdit_block, probe, streaming
 from .attention import OVERRIDE, QUANTIZED, attention_override, kernel_note
 from .config import DiTConfig, NotQwenImageDiT
 from .fp8 import fp8_ops
+from .nextdit import NextDiTConfig
 from .patcher import LoaderState, Patcher
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,6 @@ log = logging.getLogger(__name__)
 WEIGHT_DTYPES = ["auto", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
 ATTENTION = ["auto", "sdpa", "flash", "fp8", "fp8_cudnn"]
 COMPILE = ["off", "regional"]
-SUPPORTED = comfy.supported_models.QwenImage.supported_inference_dtypes
 FUSED_KEY = "forward"  # object patch on each block's `forward`
 PROBE_KEY = "qwen_turbo_fidelity_probe"
 GRAPHS_KEY = "qwen_turbo_block_graphs"
@@ -75,18 +77,35 @@ class HostLacks(ValueError):
 USER_ERRORS = (NotQwenImageDiT, HostLacks, files.Unreadable)
 
 
-def check_host(config: DiTConfig) -> None:
+def check_host(config) -> None:
     """Raise HostLacks where this host's model cannot take the variant's settings: an older
-    ComfyUI runs Edit-2511's weights with Edit-2509's reference method, silently wrong."""
-    takes = inspect.signature(qwen_model.QwenImageTransformer2DModel.__init__).parameters
+    ComfyUI runs Edit-2511's weights with Edit-2509's reference method, or NewBie's without
+    its pooled CLIP vector, silently wrong."""
+    dit = qwen_model.QwenImageTransformer2DModel
+    if isinstance(config, NextDiTConfig):
+        import comfy.ldm.lumina.model
+
+        dit = comfy.ldm.lumina.model.NextDiT
+    takes = inspect.signature(dit.__init__).parameters
     for key, value in config.variant().items():
         if key not in takes:
-            what = VARIANTS.get(config.default_ref_method, "this checkpoint")
+            what = VARIANTS.get(getattr(config, "default_ref_method", ""), config.name)
             raise HostLacks(
-                f"{what} needs {key}={value!r}, which this ComfyUI's Qwen-Image model does not "
-                "take (its reference images would get the wrong positions or modulation); "
-                "update ComfyUI"
+                f"{what} needs {key}={value!r}, which this ComfyUI's {config.family} model does "
+                "not take (its pictures would come out wrong); update ComfyUI"
             )
+
+
+@functools.cache
+def nextdit_mlp_factor() -> int:
+    """How many times its width this host's NextDiT blocks give their MLP before
+    `ffn_dim_multiplier` (v0.33: 1, v0.3.64: 4): read off a small block built on meta."""
+    from comfy.ldm.lumina.model import JointTransformerBlock
+
+    ops = types.SimpleNamespace(Linear=torch.nn.Linear, RMSNorm=torch.nn.RMSNorm)
+    settings = {"operations": ops, "device": "meta", "dtype": None}
+    block = JointTransformerBlock(0, 12, 2, 2, 1, None, 1e-5, True, operation_settings=settings)
+    return block.feed_forward.w1.out_features // 12
 
 
 def _progress(n: int):
@@ -104,15 +123,19 @@ def _progress(n: int):
     return step
 
 
-def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
-    """A ModelPatcher holding ComfyUI's QwenImage model of `config` with the weights of `sd`.
-    Raises HostLacks where this host cannot run the variant."""
+def build(sd, config: DiTConfig | NextDiTConfig, weight_dtype: str = "auto"):
+    """A ModelPatcher holding ComfyUI's model of `config` (QwenImage, or Lumina2 for NewBie)
+    with the weights of `sd`. Raises HostLacks where this host cannot run the variant."""
     check_host(config)
     load_device = mm.get_torch_device()
     offload_device = mm.unet_offload_device()
-    model_config = comfy.supported_models.QwenImage(config.unet_config())
+    model_class = getattr(comfy.supported_models, config.host_model)
+    if isinstance(config, NextDiTConfig):
+        model_config = model_class(config.unet_config(nextdit_mlp_factor()))
+    else:
+        model_config = model_class(config.unet_config())
     mode = convert.weight_mode(weight_dtype, sd, load_device)
-    sd = convert.to_mode(sd, mode, _progress)
+    sd = convert.to_mode(sd, mode, _progress, config.blocks)
     unet_dtype = torch.bfloat16
     if mode.startswith("fp8"):
         # fp8 Linear weights with scales; the rest (biases, norm gains, the layers outside
@@ -120,8 +143,11 @@ def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
         model_config.custom_operations = fp8_ops(fast=mode == "fp8_e4m3fn_fast")
     elif mode == "auto":  # ComfyUI's own choice for the device (float32 on CPU)
         params = convert.count_params(sd)
-        unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=SUPPORTED)
-    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, SUPPORTED)
+        supported = model_class.supported_inference_dtypes
+        unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=supported)
+    manual_cast = mm.unet_manual_cast(
+        unet_dtype, load_device, model_class.supported_inference_dtypes
+    )
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     model = model_config.get_model(sd, "")
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -134,7 +160,7 @@ def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
     missing = [n for n, p in model.named_parameters() if p.is_meta]  # Linears the file lacks
     if missing:
         raise files.Unreadable(
-            f"the checkpoint lacks {len(missing)} weights of a Qwen-Image DiT ({missing[0]}, "
+            f"the checkpoint lacks {len(missing)} weights of a {config.family} DiT ({missing[0]}, "
             "...): it is incomplete; download it again"
         )
     mapped = {p.data_ptr() for p in model.parameters()} & views
@@ -142,7 +168,7 @@ def build(sd, config: DiTConfig, weight_dtype: str = "auto"):
         log_once(log, logging.INFO, "Optimized Loader: ComfyUI's dynamic VRAM is on; this "
                  "model loads through ComfyUI's standard partial loading, whose offloaded "
                  "weights the pack streams (its fp8 layers are not comfy-aimdo's)")  # fmt: skip
-    model.qwen_turbo = LoaderState(weights=mode, mapped=mapped)
+    model.qwen_turbo = LoaderState(weights=mode, mapped=mapped, blocks=config.blocks)
     return Patcher(model, load_device, offload_device)
 
 
@@ -151,12 +177,17 @@ def _host_block(reason: str) -> None:
 
 
 def add_fused_blocks(patcher) -> None:
-    """Object patches: each transformer block's forward runs the fused kernels."""
-    for i, block in enumerate(patcher.model.diffusion_model.transformer_blocks):
-        forward = blocks.fused_block_forward(
-            block, qwen_model.optimized_attention_masked, _host_block
-        )
-        patcher.add_object_patch(f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}", forward)
+    """Object patches: each transformer block's forward runs the fused kernels (NextDiT: its
+    main blocks; the refiners run ComfyUI's)."""
+    attr = patcher.model.qwen_turbo.blocks
+    for i, block in enumerate(getattr(patcher.model.diffusion_model, attr)):
+        if attr == "layers":
+            forward = nextdit_block.fused_block_forward(block, _host_block)
+        else:
+            forward = blocks.fused_block_forward(
+                block, qwen_model.optimized_attention_masked, _host_block
+            )
+        patcher.add_object_patch(f"diffusion_model.{attr}.{i}.{FUSED_KEY}", forward)
 
 
 BLOCK_ARGS = {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb",
@@ -211,10 +242,11 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
     """Object patches: each block's forward (fused or not) copies the next block's offloaded
     fp8 weights ahead (`streaming`), where ComfyUI's partial load leaves some on the
     host."""
-    layers = patcher.model.diffusion_model.transformer_blocks
+    attr = patcher.model.qwen_turbo.blocks
+    layers = getattr(patcher.model.diffusion_model, attr)
     streamer = streaming.BlockStreamer(layers, patcher.model)
     for i, block in enumerate(layers):
-        key = f"diffusion_model.transformer_blocks.{i}.{FUSED_KEY}"
+        key = f"diffusion_model.{attr}.{i}.{FUSED_KEY}"
         inner = patcher.object_patches.get(key, block.forward)
         patcher.add_object_patch(key, streamer.forward(i, inner))
     patcher.model.qwen_turbo.streamer = streamer
@@ -224,8 +256,10 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
 def set_attention(patcher, attention: str) -> None:
     if attention != "auto":
         options = patcher.model_options.setdefault("transformer_options", {})
-        safe = patcher.model.qwen_turbo.safe_blocks
-        options[OVERRIDE] = attention_override(attention, safe_blocks=safe)
+        state = patcher.model.qwen_turbo
+        options[OVERRIDE] = attention_override(
+            attention, safe_blocks=state.safe_blocks, unindexed_exact=state.blocks == "layers"
+        )
 
 
 def fidelity_cache() -> probe.Cache:
@@ -273,8 +307,9 @@ def compile_blocks(patcher) -> None:
     """Regional torch.compile: each block compiled on its own (one graph, reused by all)."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
-    n = len(patcher.model.diffusion_model.transformer_blocks)
-    keys = [f"diffusion_model.transformer_blocks.{i}" for i in range(n)]
+    attr = patcher.model.qwen_turbo.blocks
+    n = len(getattr(patcher.model.diffusion_model, attr))
+    keys = [f"diffusion_model.{attr}.{i}" for i in range(n)]
     set_torch_compile_wrapper(patcher, backend="inductor", keys=keys)
 
 
@@ -300,29 +335,31 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
         weight_dtype = "bf16"
     patcher = build(sd, config, weight_dtype)
     state = patcher.model.qwen_turbo
-    log.info(
-        "Optimized Loader: %s, %d layers, width %d (%d heads of %d), text %d, weights %s%s",
-        name, config.num_layers, config.width, config.num_attention_heads,
-        config.attention_head_dim, config.joint_attention_dim, state.weights,
-        f", {VARIANTS[config.default_ref_method]}" if config.variant() else "",
-    )  # fmt: skip
-    fused = fused_kernels and _host_allows("fused_blocks", "fused_kernels", notes)
+    qwen = isinstance(config, DiTConfig)
+    variant = f", {VARIANTS[config.default_ref_method]}" if qwen and config.variant() else ""
+    log.info("Optimized Loader: %s, %s, weights %s%s", name, config.summary(), state.weights,
+             variant)  # fmt: skip
+    feature = "fused_blocks" if qwen else "fused_nextdit_blocks"
+    fused = fused_kernels and _host_allows(feature, "fused_kernels", notes)
     if fused:
         add_fused_blocks(patcher)
-        if compile != "regional":  # a compiled block is one graph already
+        if compile != "regional" and qwen:  # a compiled block is one graph already
             add_block_graphs(patcher)
+    if fused and not qwen and compile != "regional":
+        notes.append(f"block graphs: Qwen-Image's blocks only ({config.name}: the CUDA Graph "
+                     "Sampler's whole-step graphs)")  # fmt: skip
     if state.weights.startswith("fp8"):
         stream_offloaded_weights(patcher)
         if _host_allows("lockstep", "cond and uncond in lockstep", notes):
             lockstep.add(patcher)
     if attention != "auto" and _host_allows("attention_override", f"{attention} attention", notes):
         set_attention(patcher, attention)
-        note = kernel_note(attention, patcher.load_device, config.attention_head_dim)
+        note = kernel_note(attention, patcher.load_device, config.head_dim)
         if note is not None:
             notes.append(note)
             log.info("Optimized Loader: %s", note)
         if fused and attention in QUANTIZED and state.weights.startswith("fp8"):
-            patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured
+            patcher.model.memory_usage_factor = ACTIVATIONS_FACTOR  # as measured (Qwen-Image)
     if compile == "regional" and _host_allows("regional_compile", "regional compile", notes):
         compile_blocks(patcher)
     state.notes = notes

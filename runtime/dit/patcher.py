@@ -49,6 +49,7 @@ class LoaderState:
     by every clone of its ModelPatcher."""
 
     weights: str  # the weight mode that runs: bf16, fp8_e4m3fn, fp8_e4m3fn_fast, auto
+    blocks: str = "transformer_blocks"  # the DiT's attribute holding its main blocks
     notes: list[str] = field(default_factory=list)  # settings this host turned off, and why
     hosts: HostCopies = field(default_factory=HostCopies)
     # data pointers of the weights that are views of comfy-aimdo's file mapping (v0.33's

@@ -51,13 +51,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm() / b.norm().clamp_min(1e-12)
 
 
-def _inputs(model, device: torch.device):
-    """Fixed inputs: a latent, a timestep and text conditioning, from a seeded generator."""
+def _inputs(model, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Fixed inputs from a seeded generator: a latent, a timestep, and the model's conds (text
+    features; NewBie's pooled CLIP vector as well)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    width = model.diffusion_model.txt_in.weight.shape[1]
-    x = torch.randn((1, 16, 1, SIDE // 8, SIDE // 8), generator=g).to(device)
-    ctx = torch.randn((1, TEXT_TOKENS, width), generator=g).to(device)
-    return x, torch.tensor([SIGMA], device=device), ctx
+    dm = model.diffusion_model
+    side = SIDE // 8
+    if hasattr(dm, "txt_in"):  # Qwen-Image: video-shaped latents
+        x = torch.randn((1, 16, 1, side, side), generator=g)
+        conds = {
+            "c_crossattn": torch.randn((1, TEXT_TOKENS, dm.txt_in.weight.shape[1]), generator=g)
+        }
+    else:  # NextDiT (NewBie / Lumina-2)
+        x = torch.randn((1, dm.in_channels, side, side), generator=g)
+        conds = {"c_crossattn": torch.randn((1, TEXT_TOKENS, dm.cap_embedder[1].weight.shape[1]),
+                                            generator=g), "num_tokens": TEXT_TOKENS}  # fmt: skip
+        if getattr(dm, "clip_text_pooled_proj", None) is not None:
+            conds["clip_text_pooled"] = torch.randn((1, dm.clip_text_dim), generator=g)
+    conds = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in conds.items()}
+    return x.to(device), torch.tensor([SIGMA], device=device), conds
+
+
+def streams(block_kwargs: dict) -> tuple[str, ...]:
+    """The hidden states a block takes and returns, in the order it returns them: Qwen-Image's
+    text and image streams, or NextDiT's one (its first argument: `hidden_states` here, as the
+    streamer names it)."""
+    return STREAMS if "encoder_hidden_states" in block_kwargs else ("hidden_states",)
 
 
 def measure(model, device, override, threshold: float) -> Fidelity:
@@ -69,24 +88,33 @@ def measure(model, device, override, threshold: float) -> Fidelity:
     so they cross once; elsewhere it runs the block's forward below the streamer's, whose
     offloaded layers take ComfyUI's copies."""
     t0 = time.perf_counter()
-    blocks = model.diffusion_model.transformer_blocks
-    x, sigma, ctx = _inputs(model, device)
+    blocks = getattr(model.diffusion_model, model.qwen_turbo.blocks)
+    x, sigma, conds = _inputs(model, device)
     lossy = {OVERRIDE: override} if override is not None else {}
     inputs, errors = {}, []
 
     def before(module, args, kwargs):
-        inputs.update({k: kwargs[k].clone() for k in STREAMS})
+        given = {**kwargs, "hidden_states": args[0]} if args else kwargs
+        inputs.update({k: given[k].clone() for k in streams(given)})
 
     def rerun(i, out, kwargs, call):
         options = {**kwargs["transformer_options"], **lossy, "block_index": len(errors)}
+        names = streams({**kwargs, "hidden_states": None})
         with fp8.safe_compute(False):
-            got = call(**{k: inputs[k].clone() for k in STREAMS}, transformer_options=options)
-        pairs = zip(got, out, STREAMS, strict=True)
+            got = call(**{k: inputs[k].clone() for k in names}, transformer_options=options)
+        got, out = (got, out) if isinstance(got, tuple) else ((got,), (out,))
+        pairs = zip(got, out, names, strict=True)
         errors.append(torch.stack([_rel(g - inputs[k], o - inputs[k]) for g, o, k in pairs]).max())
 
     def after(module, args, kwargs, out):
         forward = inspect.unwrap(module.forward)
-        rerun(None, out, kwargs, lambda **changes: forward(**{**kwargs, **changes}))
+
+        def call(hidden_states=None, **changes):
+            if not args:  # called by keywords (Qwen-Image)
+                return forward(**{**kwargs, "hidden_states": hidden_states, **changes})
+            return forward(hidden_states, *args[1:], **{**kwargs, **changes})
+
+        rerun(None, out, kwargs, call)
 
     streamer = getattr(getattr(model, "qwen_turbo", None), "streamer", None)
     handles = [b.register_forward_pre_hook(before, with_kwargs=True) for b in blocks]
@@ -97,7 +125,7 @@ def measure(model, device, override, threshold: float) -> Fidelity:
     try:
         with torch.inference_mode(), fp8.safe_compute():
             options = {OVERRIDE: unbuilt_override()}
-            model.apply_model(x, sigma, c_crossattn=ctx, transformer_options=options)
+            model.apply_model(x, sigma, transformer_options=options, **conds)
     finally:
         for h in handles:
             h.remove()
@@ -115,7 +143,7 @@ def apply(model, kept) -> None:
     state = model.qwen_turbo
     state.safe_blocks.clear()
     state.safe_blocks.update(kept)
-    for i, block in enumerate(model.diffusion_model.transformer_blocks):
+    for i, block in enumerate(getattr(model.diffusion_model, state.blocks)):
         for m in block.modules():
             if isinstance(m, fp8.Fp8FastLinear):
                 m.bf16_compute = i in state.safe_blocks

@@ -91,6 +91,71 @@ def qwen_dit_narrow_file(seed: int = 0, num_layers: int = 2) -> Path:
     )
 
 
+# NewBie-image-Exp0.1's NextDiT (ComfyUI's detection for width 2304, plus its pooled CLIP
+# width), and a narrow one: 4 query and 2 key/value heads of 24, text 64, CLIP 32.
+NEWBIE = dict(in_channels=16, dim=2304, n_heads=24, n_kv_heads=8, cap_feat_dim=2560,
+              axes_dims=[32, 32, 32], ffn_dim_multiplier=4.0, clip_text_dim=1024)  # fmt: skip
+NEWBIE_NARROW = dict(in_channels=16, dim=96, n_heads=4, n_kv_heads=2, cap_feat_dim=64,
+                     axes_dims=[8, 8, 8], ffn_dim_multiplier=4.0, clip_text_dim=32)  # fmt: skip
+
+
+def host_takes_newbie() -> bool:
+    """Whether this ComfyUI's NextDiT takes NewBie's pooled CLIP vector (v0.33; not v0.3.64)."""
+    import inspect
+
+    from comfy.ldm.lumina.model import NextDiT
+
+    return "clip_text_dim" in inspect.signature(NextDiT.__init__).parameters
+
+
+def newbie_dit_module(n_layers: int = 1, clip_text_dim=None, **config):
+    """ComfyUI's NextDiT with NewBie's layout (`config`: NEWBIE by default), few blocks, on
+    meta. Where the host's NextDiT lacks the pooled CLIP input, its layers are added by hand
+    with the shapes newer hosts give them (a NewBie file for an older host to refuse)."""
+    import comfy.ops
+    from comfy.ldm.lumina.model import NextDiT
+
+    from qwen_turbo.runtime.dit.loader import nextdit_mlp_factor
+
+    config = {"qk_norm": True, "n_refiner_layers": 2, **(config or NEWBIE), "n_layers": n_layers}
+    config["ffn_dim_multiplier"] /= nextdit_mlp_factor()  # the same file on every host
+    clip = config.pop("clip_text_dim", None) if clip_text_dim is None else clip_text_dim
+    takes = host_takes_newbie()
+    with bench.weights_at_construction():
+        m = NextDiT(device="meta", operations=comfy.ops.disable_weight_init,
+                    **config, **({"clip_text_dim": clip} if clip and takes else {}))  # fmt: skip
+        if hasattr(m, "norm_final"):  # v0.3.64's, unused: the same keys on every host
+            del m.norm_final
+        if clip and not takes:
+            t = min(config["dim"], 1024)
+            m.clip_text_pooled_proj = torch.nn.Sequential(
+                torch.nn.RMSNorm(clip, device="meta"), torch.nn.Linear(clip, clip, device="meta")
+            )
+            m.time_text_embed = torch.nn.Sequential(
+                torch.nn.SiLU(), torch.nn.Linear(t + clip, t, device="meta")
+            )
+    return m
+
+
+def newbie_dit_file(seed: int = 0, n_layers: int = 1, narrow: bool = False, clip=True) -> Path:
+    """A random NewBie DiT file (full width unless `narrow`); `clip=False`: Lumina-2's."""
+    config = dict(NEWBIE_NARROW if narrow else NEWBIE)
+    if not clip:
+        config.pop("clip_text_dim")
+    kind = ("newbie" if clip else "lumina2") + ("_narrow" if narrow else "")
+    return _cached(
+        f"{kind}_dit_{n_layers}layer_random",
+        lambda: newbie_dit_module(n_layers, clip_text_dim=config.pop("clip_text_dim", 0), **config),
+        seed,
+        torch.bfloat16,
+    )
+
+
+def flux_vae_file(seed: int = 0) -> Path:
+    """The Flux VAE (NewBie's, 16 latent channels) at full width, random."""
+    return _cached("flux_vae_random", lambda: sd_vae_module(16), seed, torch.bfloat16)
+
+
 def load_narrow_dit():
     """The narrow DiT as a plain ModelPatcher, as UNETLoader's (ComfyUI's loader reads
     full-width configs only; the pack's builder, without its kernels)."""
@@ -256,12 +321,13 @@ def host_rope(freqs: torch.Tensor) -> torch.Tensor:
 
 
 def models_tree(root: Path) -> Path:
-    """A ComfyUI models/ folder: the tiny DiTs (full width, narrow, the narrow one as a
-    diffusers folder), the VAE and a LoRA."""
+    """A ComfyUI models/ folder: the tiny DiTs (Qwen-Image's full width, narrow, the narrow
+    one as a diffusers folder; NewBie's full width), the VAEs (Qwen-Image's, Flux's) and the
+    LoRAs."""
     diffusers_folder(qwen_dit_narrow_file(), root / "diffusion_models")
     for sub, files in {
-        "diffusion_models": [qwen_dit_file(), qwen_dit_narrow_file()],
-        "vae": [qwen_vae_file()],
+        "diffusion_models": [qwen_dit_file(), qwen_dit_narrow_file(), newbie_dit_file()],
+        "vae": [qwen_vae_file(), flux_vae_file()],
         "loras": [narrow_lora_file(), full_lora_file()],
     }.items():
         d = root / sub

@@ -11,7 +11,13 @@ from .pack import ROOT
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 INPUT_IMAGE = "qwen_turbo_test_input.png"  # LoadImage's picture on the tiny models
 # Full-size side -> CPU side (latent 8x smaller; both multiples of 16).
-SCALED = {2512: 64, 1328: 32}
+SCALED = {2512: 64, 1328: 32, 2048: 64, 1024: 32}
+# NewBie's text features: Gemma-3-4B's width, and Jina CLIP v2's pooled vector
+NEWBIE_TEXT = {"width": 2560, "pooled": 1024}
+
+
+def is_newbie(api: dict) -> bool:
+    return any(n["inputs"].get("type") == "newbie" for n in api.values())
 
 
 def scaled_for_cpu(api: dict) -> dict:
@@ -24,15 +30,22 @@ def scaled_for_cpu(api: dict) -> dict:
         "lora_name": models.full_lora_file().name,
         "image": INPUT_IMAGE,
     }
+    newbie = is_newbie(api)
+    if newbie:  # full width: ComfyUI's UNETLoader reads NewBie's stock config only
+        files |= {
+            "unet_name": models.newbie_dit_file().name,
+            "vae_name": models.flux_vae_file().name,
+        }
+    encoded = NEWBIE_TEXT if newbie else {"width": 3584}
     edit_2511 = models.qwen_dit_variant_file("edit_2511").name
     out = {}
     for node_id, node in api.items():
         kind, inputs = node["class_type"], dict(node["inputs"])
-        if kind == "CLIPLoader":
+        if kind in ("CLIPLoader", "DualCLIPLoader"):
             continue
         if kind in ("CLIPTextEncode", "TextEncodeQwenImageEditPlus"):
             seed = int(node_id)  # different seeds and lengths for the two prompts
-            cond = {"seed": seed, "tokens": 8 + seed, "width": 3584}
+            cond = {"seed": seed, "tokens": 8 + seed, **encoded}
             images = [inputs[k] for k in ("image1", "image2", "image3") if k in inputs]
             text = f"{node_id}.text" if images else node_id
             out[text] = {"class_type": "QwenTurboTestConditioning", "inputs": cond}

@@ -29,15 +29,24 @@ class TestConditioning(io.ComfyNode):
             category="QwenTurbo/testing",
             inputs=[
                 *_text_inputs(),
+                io.Int.Input(
+                    "pooled",
+                    default=0,
+                    min=0,
+                    max=4096,
+                    optional=True,
+                    tooltip="a pooled vector's width (NewBie's CLIP: 1024); 0: none",
+                ),
             ],
             outputs=[io.Conditioning.Output()],
         )
 
     @classmethod
-    def execute(cls, seed, tokens, width) -> io.NodeOutput:
+    def execute(cls, seed, tokens, width, pooled=0) -> io.NodeOutput:
         g = torch.Generator().manual_seed(seed)
         cond = torch.randn((1, tokens, width), generator=g)
-        return io.NodeOutput([[cond, {}]])
+        extra = {"pooled_output": torch.randn((1, pooled), generator=g)} if pooled else {}
+        return io.NodeOutput([[cond, extra]])
 
 
 class TestEditConditioning(io.ComfyNode):
