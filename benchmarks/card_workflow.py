@@ -12,9 +12,12 @@ conditioning (tests/testing_nodes), 256 tokens; for Edit, 256 (64 for the empty 
 196 vision tokens per picture, the reference latents VAE-encoded inside that node as
 TextEncodeQwenImageEditPlus does. `--text-encoder real` runs ComfyUI's CLIPLoader and text
 encode nodes instead, on random weights in the layout of Comfy-Org's
-`qwen_2.5_vl_7b_fp8_scaled.safetensors`. LoadImage reads a random 2048x1536 PNG written
-into the input folder. `--ram N` leaves N GiB of host RAM available (a ballast process holds
-the rest), as the card is simulated by filling the GPU.
+`qwen_2.5_vl_7b_fp8_scaled.safetensors`. A NewBie-image workflow (DualCLIPLoader of type
+"newbie") gets NewBie-image-Exp0.1's files instead: its NextDiT in bf16, Gemma 3 4B and Jina
+CLIP v2 in bf16 (each with a small trained sentencepiece model), the Flux VAE; its test
+conditioning is Gemma-wide (2560) with Jina's pooled vector (1024). LoadImage reads a random
+2048x1536 PNG written into the input folder. `--ram N` leaves N GiB of host RAM available (a
+ballast process holds the rest), as the card is simulated by filling the GPU.
 
 "pack" is the bundled workflow as shipped. "stock" is the same graph with stock nodes:
 UNETLoader (default dtype), KSampler, VAEDecode, VAEEncode, no VAE patches; "stock+fp8_fast"
@@ -58,6 +61,8 @@ def write_models(root: Path, api: dict) -> None:
     from qwen_turbo.runtime.dit import config, convert
 
     names = {k: v for n in api.values() for k, v in n["inputs"].items() if k.endswith("_name")}
+    if is_newbie(api):
+        return write_newbie_models(root, api)
     dit = root / "diffusion_models" / names["unet_name"]
     lora = root / "loras" / names["lora_name"] if "lora_name" in names else None
     if not dit.exists() or (lora and not lora.exists()):
@@ -116,6 +121,186 @@ def write_text_encoder(path: Path) -> None:
     save_file(sd, str(path))
 
 
+def is_newbie(api: dict) -> bool:
+    """Whether `api` is a NewBie-image workflow: its DualCLIPLoader's type is "newbie", or
+    (`prompts` without the text encoder) its test conditioning has a pooled vector."""
+    return any((n["class_type"] == "DualCLIPLoader" and n["inputs"].get("type") == "newbie")
+               or (n["class_type"] == "QwenTurboTestConditioning" and n["inputs"].get("pooled"))
+               for n in api.values())  # fmt: skip
+
+
+def write_newbie_models(root: Path, api: dict) -> None:
+    """NewBie-image-Exp0.1's files, random, where missing: the DiT (`unet_name`), Gemma 3 4B
+    and Jina CLIP v2 (`clip_name1`, `clip_name2`, told apart by name; none where the test
+    conditioning stands in for them) and the Flux VAE."""
+    import torch
+
+    names = {k: v for n in api.values() for k, v in n["inputs"].items()
+             if k.endswith("_name") or k in ("clip_name1", "clip_name2")}  # fmt: skip
+    dit = root / "diffusion_models" / names["unet_name"]
+    if not dit.exists():
+        write_newbie_dit(dit)
+    for clip in (names[k] for k in ("clip_name1", "clip_name2") if k in names):
+        path = root / "text_encoders" / clip
+        if not path.exists():
+            (write_jina if "jina" in clip.lower() else write_gemma)(path)
+    vae = root / "vae" / names["vae_name"]
+    if not vae.exists():
+        write_flux_vae(vae)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    os.sync()  # written back, clean, as downloaded files are
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_newbie_dit(path: Path, n_layers: int = 36) -> None:
+    """Random weights in the layout of NewBie-image-Exp0.1's released bf16 file: ComfyUI's
+    NextDiT (width 2304, 36 blocks, 24 query and 8 key/value heads, Gemma's 2560-wide text,
+    Jina's 1024-wide pooled vector), ComfyUI's key names, every tensor in bf16."""
+    import comfy.ops
+    import torch
+    from comfy.ldm.lumina.model import NextDiT
+    from safetensors.torch import save_file
+
+    from qwen_turbo.cli import bench
+
+    with bench.weights_at_construction():
+        module = NextDiT(dim=2304, n_layers=n_layers, n_refiner_layers=2, n_heads=24,
+                         n_kv_heads=8, qk_norm=True, cap_feat_dim=2560, axes_dims=[32, 32, 32],
+                         axes_lens=[300, 512, 512], ffn_dim_multiplier=4.0, in_channels=16,
+                         clip_text_dim=1024, device="meta",
+                         operations=comfy.ops.disable_weight_init)  # fmt: skip
+    sd = bench.random_state_dict(module, seed=0, dtype=torch.bfloat16, device=_device())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.cpu() for k, t in sd.items()}, str(path))
+
+
+def write_gemma(path: Path) -> None:
+    """Random weights in the layout of Comfy-Org's `gemma_3_4b_it_bf16.safetensors`: the
+    language model ComfyUI builds for NewBie (lumina2.Gemma3_4BModel: `model.*`, bf16; its
+    RMSNorms add 1 to their weight, so zeros), and a small sentencepiece model with Gemma's
+    special ids (pad 0, eos 1, bos 2, unk 3) as `spiece_model`."""
+    import comfy.text_encoders.lumina2 as lumina2
+    import torch
+
+    from qwen_turbo.cli import bench
+
+    with bench.weights_at_construction():
+        te = lumina2.Gemma3_4BModel(device="meta", dtype=torch.bfloat16)
+    _save_text_encoder(path, te.transformer, norm=0.0, ids={"pad_id": 0, "eos_id": 1,
+                                                           "bos_id": 2, "unk_id": 3})  # fmt: skip
+
+
+def write_jina(path: Path) -> None:
+    """Random weights in the layout of Comfy-Org's `jina_clip_v2_bf16.safetensors`: the text
+    tower ComfyUI builds for NewBie (jina_clip_2.JinaClip2TextModel: `model.*`, bf16;
+    LayerNorm gains ones), and a small sentencepiece model with XLM-RoBERTa's special ids
+    (bos 0, pad 1, eos 2, unk 3) as `spiece_model`."""
+    import comfy.text_encoders.jina_clip_2 as jina
+    import torch
+
+    from qwen_turbo.cli import bench
+
+    with bench.weights_at_construction():
+        te = jina.JinaClip2TextModel(device="meta", dtype=torch.bfloat16)
+    _save_text_encoder(path, te.transformer, norm=1.0, ids={"bos_id": 0, "pad_id": 1,
+                                                           "eos_id": 2, "unk_id": 3})  # fmt: skip
+
+
+def _save_text_encoder(path: Path, module, norm: float, ids: dict) -> None:
+    """`module`'s state dict (on meta) as random bf16 tensors, as write_text_encoder makes
+    them: norm gains `norm`, norm biases zero, the rest N(0, 0.02); plus `spiece_model`."""
+    import torch
+    from safetensors.torch import save_file
+
+    device = _device()
+    gen = torch.Generator(device).manual_seed(7)
+    sd = {}
+    for k, p in module.state_dict().items():
+        if p.ndim == 1 and ("norm" in k or "_ln" in k):
+            value = norm if k.endswith("weight") else 0.0
+            sd[k] = torch.full(p.shape, value, dtype=torch.bfloat16)
+        else:
+            t = torch.randn(p.shape, generator=gen, device=device)
+            sd[k] = (t * 0.02).to(torch.bfloat16).cpu()
+            del t
+    sd["spiece_model"] = spiece_model(ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
+
+
+WORDS = (  # the bundled NewBie workflows' prompt words, the session's, and more of their kind
+    "you are an assistant designed to generate high quality low anime images with the highest "
+    "degree of image text alignment based on xml format textual prompts prompt start "
+    "character_1 gender 1girl 1boy appearance silver hair long short green blue red eyes "
+    "clothing white raincoat yellow boots black dress action holding a transparent umbrella "
+    "looking up general_tags style illustration detailed shading background rainy city "
+    "street at dusk neon signs reflections on wet asphalt quality masterpiece best highres "
+    "blurry worst jpeg artifacts watermark extra fingers fox in snow lighthouse cliff waves "
+    "breaking below warm light windows gulls wind painted thick oil strokes old market night "
+    "lanterns gold hang over stalls fruit fish spices people under umbrellas puddles mirror "
+    "cat sleeps crate steam rises from noodle stand cobblestones shine distance tram crosses "
+    "clock tower shows quarter past ten cinematic 35 mm film soft grain variation smile "
+    "standing sitting forest sky clouds sunset ocean flowers school uniform portrait"
+)
+
+
+def spiece_model(ids: dict, vocab_size: int = 2000):
+    """A small sentencepiece model (uint8 tensor of its bytes), trained here on synthetic
+    prompts (English, tags, NewBie's XML) with the special ids `ids`: at most `vocab_size`
+    pieces (about 700 from this text), byte fallback, so that every text gives ids inside
+    the embeddings."""
+    import io
+    import random
+
+    import sentencepiece
+    import torch
+
+    rng, words = random.Random(0), WORDS.split()
+    tags = ["character_1", "gender", "appearance", "clothing", "action", "style", "background",
+            "quality", "general_tags", "n"]  # fmt: skip
+    lines = []
+    for i in range(600):
+        picked = rng.choices(words, k=rng.randint(4, 24))
+        if i % 3 == 0:
+            lines.append(", ".join(picked))
+        elif i % 3 == 1:
+            tag = rng.choice(tags)
+            lines.append(f"<{tag}>{', '.join(picked)}</{tag}>")
+        else:
+            lines.append(" ".join(picked).capitalize() + ".")
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+        hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0, num_threads=1,
+        minloglevel=2, **ids,
+    )  # fmt: skip
+    return torch.frombuffer(bytearray(model.getvalue()), dtype=torch.uint8)
+
+
+def write_flux_vae(path: Path) -> None:
+    """Random weights in the layout of the Flux VAE's `ae.safetensors` (NewBie's): ComfyUI's
+    AutoencoderKL, 16 latent channels, `encoder.*` and `decoder.*` only (no quant convs),
+    float32 as released."""
+    import torch
+    from safetensors.torch import save_file
+
+    from qwen_turbo.cli import bench
+    from tests.harness.models import sd_vae_module
+
+    with bench.weights_at_construction():
+        module = sd_vae_module(16)
+    sd = bench.random_state_dict(module, seed=0, dtype=torch.float32)
+    sd = {k: t for k, t in sd.items() if k.startswith(("encoder.", "decoder."))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
+
+
 def write_pictures(folder: Path, api: dict) -> None:
     """A random PNG (PICTURE) under each name LoadImage reads, where missing."""
     import numpy as np
@@ -139,16 +324,18 @@ def prompts(workflow: Path, text_encoder: bool = False) -> dict:
     from qwen_turbo.cli.workflow import object_info, ui_to_api
 
     api = ui_to_api(json.loads(workflow.read_text()), object_info(nodes.NODE_CLASS_MAPPINGS))
+    newbie = is_newbie(api)
     pack = {}
     for node_id, node in api.items():
         if text_encoder:
             pack[node_id] = node
             continue
-        if node["class_type"] == "CLIPLoader":
+        if node["class_type"] in ("CLIPLoader", "DualCLIPLoader"):
             continue
-        if node["class_type"] == "CLIPTextEncode":
-            cond = {"seed": int(node_id), "tokens": 256, "width": 3584}
-            node = {"class_type": "QwenTurboTestConditioning", "inputs": cond}
+        if node["class_type"] == "CLIPTextEncode":  # NewBie's: Gemma's text, Jina's pooled
+            cond = {"seed": int(node_id), "tokens": 256, "width": 2560 if newbie else 3584}
+            node = {"class_type": "QwenTurboTestConditioning",
+                    "inputs": {**cond, "pooled": 1024} if newbie else cond}  # fmt: skip
         if node["class_type"] == "TextEncodeQwenImageEditPlus":  # the empty negative: 64
             i = node["inputs"]
             cond = {

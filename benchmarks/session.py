@@ -10,7 +10,8 @@ and random full-size DiT, LoRA and VAE weights in the layouts users download
 - the first run on a new install: Triton's, the CUDA driver's and Inductor's caches and the
   fidelity probe's result (ComfyUI's user folder) empty;
 - a new seed; three new prompts (texts of different lengths);
-- new sizes (of 1328², 1664×928 and 2512², the others, then back to the workflow's own);
+- new sizes (of 1328², 1664×928 and 2512², for NewBie-image of 1024², 1024×1536 and 2048²,
+  the others, then back to the workflow's own);
 - the LoRA's strength changed, the LoRA removed, then back (where the workflow has one);
 - each other bundled workflow asked for (`--others`) in the same process, then the first again;
 - ComfyUI's "free model memory" (`/free` with unload_models and free_memory, as main.py does
@@ -47,6 +48,7 @@ from tests.harness.comfyui import ROOT  # noqa: E402
 
 GiB = card.GiB
 SIZES = [(1328, 1328), (1664, 928), (2512, 2512)]  # (width, height)
+NEWBIE_SIZES = [(1024, 1024), (1024, 1536), (2048, 2048)]  # NewBie-image's
 PROMPTS = [  # new prompts of different lengths (tokens), as an artist types them
     "a red fox in snow",
     "a lighthouse on a cliff at dusk, waves breaking below, warm light in the windows, "
@@ -60,14 +62,16 @@ PROMPTS = [  # new prompts of different lengths (tokens), as an artist types the
 
 
 def sizes_after(api: dict) -> list[tuple[int, int]]:
-    """The session's new sizes: SIZES other than the workflow's own, then its own; [] where
-    the workflow has no empty latent (Edit takes the picture's size)."""
+    """The session's new sizes: SIZES (NEWBIE_SIZES in a NewBie workflow) other than the
+    workflow's own, then its own; [] where the workflow has no empty latent (Edit takes the
+    picture's size)."""
     latent = next((n["inputs"] for n in api.values() if n["class_type"].startswith("Empty")
                    and "width" in n["inputs"]), None)  # fmt: skip
     if latent is None:
         return []
     own = (latent["width"], latent["height"])
-    return [s for s in SIZES if s != own] + [own]
+    sizes = NEWBIE_SIZES if card.is_newbie(api) else SIZES
+    return [s for s in sizes if s != own] + [own]
 
 
 def set_size(api: dict, size: tuple[int, int]) -> None:

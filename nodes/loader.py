@@ -1,5 +1,5 @@
-"""Optimized Loader: the Qwen-Image DiT with config from its weights, fp8, attention and fused
-blocks; a plain MODEL for every stock node."""
+"""Optimized Loader: the Qwen-Image or NewBie-image DiT with config from its weights, fp8,
+attention and fused blocks; a plain MODEL for every stock node."""
 
 from comfy_api.latest import io
 
@@ -15,9 +15,10 @@ class Loader(io.ComfyNode):
             display_name="Optimized Loader",
             category="QwenTurbo",
             description=(
-                "Loads a Qwen-Image or Qwen-Image-Edit DiT, its shape read from the weights, "
-                "with fused kernels, fp8 weights and a faster attention. The output is a plain "
-                "MODEL: LoRAs, samplers and offloading work as with UNETLoader."
+                "Loads a Qwen-Image, Qwen-Image-Edit or NewBie-image (Lumina-2) DiT, its shape "
+                "read from the weights, with fused kernels, fp8 weights and a faster attention. "
+                "The output is a plain MODEL: LoRAs, samplers and offloading work as with "
+                "UNETLoader."
             ),
             inputs=[
                 io.Combo.Input(

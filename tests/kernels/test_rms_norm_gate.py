@@ -32,6 +32,8 @@ REFERENCES = (
 # (B, L, D): D = 96 and 33 leave masked lanes in the row's block; L = 1; B = 2 has two distinct
 # scale and gate rows.
 SHAPES = [(2, 5, 96), (2, 1, 33), (1, 7, 64)]
+# the kernels' device: the GPU where there is one, else the CPU through Triton's interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(shape, dtype, seed):
@@ -45,7 +47,7 @@ def _inputs(shape, dtype, seed):
     gate = torch.randn(b, d, generator=g) * 10 ** (torch.rand(b, d, generator=g) * 4 - 3)
     weight_next = 1 + 0.2 * torch.randn(d, generator=g)
     scale_next = torch.randn(b, d, generator=g) * 0.5
-    return [t.to(dtype) for t in (x, y, weight, gate, weight_next, scale_next)]
+    return [t.to(DEVICE, dtype) for t in (x, y, weight, gate, weight_next, scale_next)]
 
 
 def _rule(out, exact, eager):
@@ -118,9 +120,10 @@ def test_tanh_within_a_few_ulps(kernel_only):
     mags = torch.cat(
         [torch.tensor([0.0, 1e-30, 1e-6]), torch.logspace(-4, 2, 61), torch.tensor([0.2499, 0.25])]
     )
-    gate = torch.cat([mags, -mags])[None]
+    gate = torch.cat([mags, -mags])[None].to(DEVICE)
     d = gate.shape[1]
-    x, y, weight = torch.zeros(1, 1, d), torch.ones(1, 1, d), torch.ones(d)
+    x, y, weight = (torch.zeros(1, 1, d), torch.ones(1, 1, d), torch.ones(d))
+    x, y, weight = x.to(DEVICE), y.to(DEVICE), weight.to(DEVICE)
     h = gated_rms_residual(x, y, weight, gate, eps=0.0)[0, 0].double()
     exact = gate[0].double().tanh()
     err = (h - exact).abs() / exact.abs().clamp_min(1e-300)
@@ -145,7 +148,7 @@ def test_non_contiguous_inputs(kernel_only):
     are), y a transposed view (D not contiguous: copied first), scale and gate chunks of the
     (B, 4D) adaLN vector, a strided weight (copied)."""
     x, y, weight, gate, weight_next, scale_next = _inputs((2, 5, 96), torch.bfloat16, seed=5)
-    x = torch.cat([torch.zeros(2, 3, 96, dtype=x.dtype), x], dim=1)[:, 3:]
+    x = torch.cat([torch.zeros(2, 3, 96, dtype=x.dtype, device=x.device), x], dim=1)[:, 3:]
     y = y.mT.contiguous().mT
     scale, gate_, scale_next, gate_next = torch.cat([scale_next, gate, scale_next, gate], 1).chunk(
         4, 1
