@@ -395,6 +395,31 @@ def test_fp8_storage_is_scaled_and_close(narrow_sd):
     mm.unload_all_models()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_conversion_on_the_gpu_gives_the_cpus_bits(narrow_sd, monkeypatch):
+    """Weights quantized on the GPU, one at a time, land on the CPU with the CPU's bits; out
+    of GPU memory, the rest convert on the CPU."""
+    cpu = convert.to_scaled_fp8(dict(narrow_sd))
+
+    def same(got):
+        assert got.keys() == cpu.keys()
+        for k, t in cpu.items():
+            assert got[k].device.type == "cpu" and got[k].dtype == t.dtype, k
+            assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+
+    same(convert.to_scaled_fp8(dict(narrow_sd), device=torch.device("cuda")))
+    real = convert._quantize
+
+    def out_of_memory_on_gpu(t):
+        if t.is_cuda:
+            raise torch.OutOfMemoryError("test")
+        return real(t)
+
+    monkeypatch.setattr(convert, "_quantize", out_of_memory_on_gpu)
+    same(convert.to_scaled_fp8(dict(narrow_sd), device=torch.device("cuda")))
+
+
 def test_fp8_fast_without_fp8_gemms_falls_back_and_logs(narrow_sd, caplog):
     cfg = config.read_config(narrow_sd)
     with caplog.at_level(logging.WARNING, logger=convert.log.name):

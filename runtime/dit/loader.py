@@ -135,7 +135,7 @@ def build(sd, config: DiTConfig | NextDiTConfig, weight_dtype: str = "auto"):
     else:
         model_config = model_class(config.unet_config())
     mode = convert.weight_mode(weight_dtype, sd, load_device)
-    sd = convert.to_mode(sd, mode, _progress, config.blocks)
+    sd = convert.to_mode(sd, mode, _progress, config.blocks, load_device)
     unet_dtype = torch.bfloat16
     if mode.startswith("fp8"):
         # fp8 Linear weights with scales; the rest (biases, norm gains, the layers outside
@@ -327,9 +327,10 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
     """The Optimized Loader: a MODEL that every stock node accepts. Settings this host cannot
     run are turned off; `patcher.model.qwen_turbo.notes` says which and why. With
     `quality_guard`, lossy compute on a GPU is checked by the fidelity probe (`guard_fidelity`)."""
-    warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
     path = files.resolve(name)
     sd, config = files.read_checkpoint(path)
+    if isinstance(config, DiTConfig):  # the recorded launches are the Qwen workflows'
+        warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
     notes: list[str] = []
     if weight_dtype.startswith("fp8") and not _host_allows("fp8_weights", weight_dtype, notes):
         weight_dtype = "bf16"
