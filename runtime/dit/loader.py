@@ -172,6 +172,12 @@ def build(sd, config: DiTConfig | NextDiTConfig, weight_dtype: str = "auto"):
     return Patcher(model, load_device, offload_device)
 
 
+def main_blocks(model) -> str:
+    """The attribute of `model.diffusion_model` (a BaseModel's) holding its main blocks: the
+    loader's record, else Qwen-Image's."""
+    return getattr(getattr(model, "qwen_turbo", None), "blocks", "transformer_blocks")
+
+
 def _host_block(reason: str) -> None:
     log_once(log, logging.INFO, f"Optimized Loader: fused block not used for {reason}")
 
@@ -179,7 +185,7 @@ def _host_block(reason: str) -> None:
 def add_fused_blocks(patcher) -> None:
     """Object patches: each transformer block's forward runs the fused kernels (NextDiT: its
     main blocks; the refiners run ComfyUI's)."""
-    attr = patcher.model.qwen_turbo.blocks
+    attr = main_blocks(patcher.model)
     for i, block in enumerate(getattr(patcher.model.diffusion_model, attr)):
         if attr == "layers":
             forward = nextdit_block.fused_block_forward(block, _host_block)
@@ -242,7 +248,7 @@ def stream_offloaded_weights(patcher) -> streaming.BlockStreamer:
     """Object patches: each block's forward (fused or not) copies the next block's offloaded
     fp8 weights ahead (`streaming`), where ComfyUI's partial load leaves some on the
     host."""
-    attr = patcher.model.qwen_turbo.blocks
+    attr = main_blocks(patcher.model)
     layers = getattr(patcher.model.diffusion_model, attr)
     streamer = streaming.BlockStreamer(layers, patcher.model)
     for i, block in enumerate(layers):
@@ -307,7 +313,7 @@ def compile_blocks(patcher) -> None:
     """Regional torch.compile: each block compiled on its own (one graph, reused by all)."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
-    attr = patcher.model.qwen_turbo.blocks
+    attr = main_blocks(patcher.model)
     n = len(getattr(patcher.model.diffusion_model, attr))
     keys = [f"diffusion_model.{attr}.{i}" for i in range(n)]
     set_torch_compile_wrapper(patcher, backend="inductor", keys=keys)

@@ -34,6 +34,7 @@ REFERENCES = (
 SHAPES = [(2, 5, 96), (2, 1, 33), (1, 7, 64)]
 # the kernels' device: the GPU where there is one, else the CPU through Triton's interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WHERE = "cuda:0" if DEVICE == "cuda" else "cpu"  # as the fallback messages name it
 
 
 def _inputs(shape, dtype, seed):
@@ -194,11 +195,11 @@ def _assert_falls_back(op, args, caplog, reason):
     assert_logged_once(caplog, op, reason)
 
 
-def _args(op, shape=(2, 3, 64), dtype=torch.float32, **change):
-    """The op's arguments from _inputs, with those named in `change` (x, y, weight, gate,
-    weight_next, scale_next: a function of the tensor) replaced."""
+def _args(op, shape=(2, 3, 64), dtype=torch.float32, device=DEVICE, **change):
+    """The op's arguments from _inputs on `device`, with those named in `change` (x, y, weight,
+    gate, weight_next, scale_next: a function of the tensor) replaced."""
     names = ("x", "y", "weight", "gate", "weight_next", "scale_next")
-    ts = dict(zip(names, _inputs(shape, dtype, seed=6), strict=True))
+    ts = {n: t.to(device) for n, t in zip(names, _inputs(shape, dtype, seed=6), strict=True)}
     for name, f in change.items():
         ts[name] = f(ts[name])
     return [ts[names[i]] for i in CALLS[op][2]]
@@ -206,7 +207,7 @@ def _args(op, shape=(2, 3, 64), dtype=torch.float32, **change):
 
 @pytest.mark.parametrize("op", list(CALLS))
 def test_fallback_cpu_outside_interpreter(op, no_interpreter, fresh_log):
-    _assert_falls_back(op, _args(op), fresh_log, "tensors on cpu are not supported")
+    _assert_falls_back(op, _args(op, device="cpu"), fresh_log, "tensors on cpu are not supported")
 
 
 @pytest.mark.parametrize("op", list(CALLS))
@@ -248,7 +249,7 @@ def test_fallback_y_broadcast(op, fresh_log):
 @pytest.mark.parametrize("op", [OP_GATED, OP_FUSED])
 def test_fallback_y_dtype(op, fresh_log):
     args = _args(op, y=lambda t: t.bfloat16())
-    _assert_falls_back(op, args, fresh_log, "torch.bfloat16, cpu) is not as x")
+    _assert_falls_back(op, args, fresh_log, f"torch.bfloat16, {WHERE}) is not as x")
 
 
 @pytest.mark.parametrize("op", list(CALLS))
@@ -270,7 +271,7 @@ def test_fallback_scale_dtype(op, fresh_log):
     """float32 scales and gates with bf16 x and y: ComfyUI's ops promote; so does the
     fallback (the kernels would return bf16)."""
     args = _args(op, dtype=torch.bfloat16, gate=lambda t: t.float(), scale_next=lambda t: t.float())
-    _assert_falls_back(op, args, fresh_log, "torch.float32, cpu) is not (B, D)")
+    _assert_falls_back(op, args, fresh_log, f"torch.float32, {WHERE}) is not (B, D)")
 
 
 @pytest.mark.parametrize("op", list(CALLS))
@@ -289,7 +290,9 @@ def test_references_are_comfyuis_ops(cast):
     from comfy.ldm.lumina.model import modulate
 
     ops = comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init
-    x, y, weight, gate, weight_next, scale = _inputs((2, 5, 64), torch.bfloat16, seed=7)
+    x, y, weight, gate, weight_next, scale = (
+        t.cpu() for t in _inputs((2, 5, 64), torch.bfloat16, seed=7)
+    )
     norm1, norm2 = (ops.RMSNorm(64, eps=1e-5, elementwise_affine=True, dtype=torch.bfloat16)
                     for _ in range(2))  # fmt: skip
     with torch.no_grad():
