@@ -59,9 +59,9 @@ def to_scaled_fp8(
     Weights already fp8 keep their file's scale, or 1 (ComfyUI's plain fp8 files). Other
     tensors are kept. This is the layout ComfyUI's scaled-fp8 ops load, patch and LoRA.
     `step` is called once per tensor (the loader's progress bar). With a CUDA `device` each
-    weight is quantized there, one at a time (NewBie's 3.5B bf16 file: the loader 3.3 s
-    instead of 6.0 s on the CPU, H200), the results left on the CPU; on the CPU where the
-    device runs out of memory.
+    weight is quantized there, one at a time (faster than the CPU: docs/PERFORMANCE.md,
+    "NewBie-image"), the results left on the CPU; on the CPU where the device runs out of
+    memory.
     """
     out = {}
     where = device if device is not None and device.type == "cuda" else None
