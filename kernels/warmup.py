@@ -32,7 +32,8 @@ from ._triton import HAS_TRITON, INTERPRET, disabled
 
 log = logging.getLogger(__name__)
 MANIFEST = Path(__file__).with_name("warmup.json")
-_started: dict[int, threading.Thread] = {}  # device index -> its warm-up thread
+# (device index, kernel modules or None) -> its warm-up thread
+_started: dict[tuple, threading.Thread] = {}
 
 if HAS_TRITON:
     from triton.runtime.driver import driver
@@ -131,17 +132,26 @@ def _warm(device: int, entries: list, threads: int) -> None:
     )  # fmt: skip
 
 
-def start(device: torch.device, manifest: Path = MANIFEST) -> threading.Thread | None:
-    """Compiles the manifest's kernels for `device` on background threads, once per device;
-    returns the thread (join it to wait), or None where there is nothing to do."""
+def start(device: torch.device, modules=None, manifest: Path = MANIFEST) -> threading.Thread | None:
+    """Compiles the manifest's kernels for `device` on background threads, once per device and
+    set of kernel `modules` (only their launches: a DiT's or a VAE's; all where None); returns
+    the thread (join it to wait), or None where there is nothing to do."""
     if not HAS_TRITON or INTERPRET or disabled() or device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _started:
-        entries = json.loads(manifest.read_text())
+    key = (index, None if modules is None else frozenset(modules))
+    if key not in _started:
+        entries = selected(manifest, modules)
+        if not entries:
+            return None
         threads = max(1, min(8, (os.cpu_count() or 2) - 1))
-        _started[index] = threading.Thread(
+        _started[key] = threading.Thread(
             target=_warm, args=(index, entries, threads), name="qwen-turbo-warmup", daemon=True
         )
-        _started[index].start()
-    return _started[index]
+        _started[key].start()
+    return _started[key]
+
+
+def selected(manifest: Path, modules=None) -> list:
+    """The manifest's entries of the kernel `modules` (all where None)."""
+    return [e for e in json.loads(manifest.read_text()) if modules is None or e[0] in modules]

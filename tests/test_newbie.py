@@ -126,13 +126,16 @@ def test_lumina2_loads_on_every_host():
 
 
 @newbie_host
-def test_the_node_loads_newbie_and_notes_what_it_leaves_to_comfyui(diffusion_models):
+def test_the_node_loads_newbie_and_notes_what_it_leaves_to_comfyui(diffusion_models, monkeypatch):
+    warmed = []
+    monkeypatch.setattr(loader.warmup, "start", lambda device, modules: warmed.append(modules))
     name = "newbie_narrow.safetensors"
     (diffusion_models / name).symlink_to(models.newbie_dit_file(n_layers=2, narrow=True))
     try:
         model = Loader.execute(name, "fp8_e4m3fn", "sdpa", True, "off").result[0]
     finally:
         (diffusion_models / name).unlink()
+    assert warmed == [loader.FP8_KERNELS]  # not the Qwen blocks' recorded launches
     state = model.model.qwen_turbo
     assert state.blocks == "layers" and state.weights == "fp8_e4m3fn"
     assert any("block graphs: Qwen-Image's blocks only" in n for n in state.notes)

@@ -11,6 +11,7 @@ from torch import nn
 
 import nodes
 import qwen_turbo.runtime
+from qwen_turbo.kernels import warmup
 from qwen_turbo.kernels.channel_rms_norm_silu import ChannelRMSNormSiLU
 from qwen_turbo.kernels.group_norm_silu import GroupNormSiLU
 from qwen_turbo.kernels.upsample_conv3x3 import UpsampleConv3x3
@@ -272,3 +273,18 @@ def test_patched_tree_names_its_weights_as_the_original(vae_name, request):
     finally:
         mm.unload_all_models()
     assert dict(vae.first_stage_model.named_parameters()).keys() == original
+
+
+def test_a_patched_vae_warms_its_own_kernels(qwen_vae, sd_vae):
+    """The Qwen-Image VAE's patches start the whole recorded manifest (the Qwen workflows'
+    DiT kernels then compile during text encoding); another VAE's (SD's, Flux's: NewBie's)
+    only its own kernels', none of which the manifest holds: nothing compiles for them."""
+
+    def patches(vae):
+        norms, _ = vae_patches.norm_patches(vae.first_stage_model)
+        ups, _ = vae_patches.upsample_patches(vae.first_stage_model)
+        return {**norms, **ups}
+
+    assert vae_patches.warmed(patches(qwen_vae)) is None
+    assert vae_patches.warmed(patches(sd_vae)) == {"group_norm_silu", "upsample_conv3x3"}
+    assert not warmup.selected(warmup.MANIFEST, vae_patches.warmed(patches(sd_vae)))

@@ -65,6 +65,11 @@ def host_estimate(model):
         base.memory_usage_factor = measured
 
 
+# the kernel modules whose recorded launches (kernels/warmup.json) a load compiles ahead
+FP8_KERNELS = ("fp8_linear",)
+QWEN_KERNELS = (*FP8_KERNELS, "qk_norm_rope", "gated_residual", "layernorm_modulate",
+                "linear_gelu", "attention_fp8")  # fmt: skip
+
 # The variants by their reference method (config.read_config), for messages.
 VARIANTS = {"index_timestep_zero": "Qwen-Image-Edit-2511", "negative_index": "Qwen-Image-Layered"}
 
@@ -335,8 +340,11 @@ def load(name: str, weight_dtype="auto", attention="auto", fused_kernels=True, c
     `quality_guard`, lossy compute on a GPU is checked by the fidelity probe (`guard_fidelity`)."""
     path = files.resolve(name)
     sd, config = files.read_checkpoint(path)
-    if isinstance(config, DiTConfig):  # the recorded launches are the Qwen workflows'
-        warmup.start(mm.get_torch_device())  # compiles the kernels while the weights load
+    # compiles the kernels it launches while the weights load: the Qwen workflows' recorded
+    # launches (NewBie's fp8 GEMMs' share theirs)
+    warmup.start(
+        mm.get_torch_device(), QWEN_KERNELS if isinstance(config, DiTConfig) else FP8_KERNELS
+    )
     notes: list[str] = []
     if weight_dtype.startswith("fp8") and not _host_allows("fp8_weights", weight_dtype, notes):
         weight_dtype = "bf16"

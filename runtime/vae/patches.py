@@ -290,6 +290,16 @@ def fused_norm_patches(model: nn.Module, backups: dict | None = None) -> Patches
 UNRECOGNISED = (AttributeError, TypeError, ValueError, IndexError, KeyError)
 
 
+def warmed(patches: dict) -> set[str] | None:
+    """The kernel modules whose recorded launches a patched VAE starts compiling: the Qwen-Image
+    VAE's (Wan 2.1's) the whole manifest (recorded from the Qwen workflows: their DiT's kernels
+    then compile while the text encoder runs), another VAE its own kernels'."""
+    package = warmup.__name__.rsplit(".", 1)[0]  # the pack's kernels
+    kinds = {t.__module__.rsplit(".", 1)[-1] for t in map(type, patches.values())
+             if t.__module__.startswith(package + ".")}  # fmt: skip
+    return None if "channel_rms_norm_silu" in kinds else kinds
+
+
 def _log_skipped(skipped: list[tuple[str, str]]) -> None:
     """One line per reason (once per process), naming the first few modules it applies to."""
     by_reason: dict[str, list[str]] = {}
@@ -325,8 +335,8 @@ def patched_vae(vae, find):
         )
         patches, skipped = {}, []
     _log_skipped(skipped)
-    if patches:
-        warmup.start(vae.device)  # compiles the kernels before the first decode
+    if patches:  # compiles kernels before the first decode
+        warmup.start(vae.device, warmed(patches))
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     for path, module in patches.items():

@@ -73,7 +73,17 @@ def test_save_adds_each_entry_once(tmp_path):
 
 def test_start_does_nothing_off_cuda(tmp_path):
     missing = tmp_path / "none.json"  # never read
-    assert warmup.start(torch.device("cpu"), missing) is None
+    assert warmup.start(torch.device("cpu"), manifest=missing) is None
+
+
+def test_a_start_takes_its_kernels_launches_only(tmp_path):
+    path = tmp_path / "warmup.json"
+    a = ["fp8_linear", "_a_kernel", [3], {}]
+    b = ["channel_rms_norm_silu", "_b_kernel", [5], {}]
+    warmup.save([a, b], path)
+    assert warmup.selected(path) == [a, b]
+    assert warmup.selected(path, {"channel_rms_norm_silu"}) == [b]
+    assert warmup.selected(path, {"rms_norm_gate"}) == []
 
 
 # One process per case, each with an empty Triton cache: `record` launches two ops and saves
@@ -107,7 +117,7 @@ if sys.argv[1] == "record":
         ops()
     warmup.save(entries, manifest)
 else:
-    warmup.start(torch.device("cuda"), manifest).join()
+    warmup.start(torch.device("cuda"), manifest=manifest).join()
     ahead, built = len(compiles), len(builds)
     ops()
     print(json.dumps({"ahead": ahead, "at_launch": len(compiles) - ahead,
