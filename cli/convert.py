@@ -56,6 +56,7 @@ def loader_file_problem(name) -> str | None:
     file's tensor names where it is in models/diffusion_models, else its name."""
     import folder_paths
 
+    from ..runtime.dit import nextdit
     from ..runtime.dit.config import REQUIRED, describe
     from ..runtime.dit.convert import strip_prefix
 
@@ -65,15 +66,18 @@ def loader_file_problem(name) -> str | None:
         return f"{name} is a GGUF file; the Optimized Loader reads safetensors"
     path = folder_paths.get_full_path("diffusion_models", name)
     if path is None:
-        if "qwen" in name.lower():
+        if any(word in name.lower() for word in ("qwen", "newbie")):
             return None
-        return f"{name} is not in models/diffusion_models and its name does not say Qwen-Image"
+        return (f"{name} is not in models/diffusion_models and its name does not say Qwen-Image "
+                "or NewBie")  # fmt: skip
     try:
         keys = strip_prefix(dict.fromkeys(_header_keys(path)))
     except (OSError, ValueError, struct.error) as e:
         return f"{name} cannot be read as safetensors ({e})"
+    if nextdit.is_nextdit(keys) and nextdit.Z_IMAGE not in keys:
+        return None
     if any(k not in keys for k in (*REQUIRED, NORM_Q)):
-        return f"{name} is not a Qwen-Image DiT: {describe(keys)}"
+        return f"{name} is not a Qwen-Image or NewBie DiT: {describe(keys)}"
     return None
 
 
@@ -110,7 +114,7 @@ def plan(api: dict, file_problem, known=()) -> tuple[dict[str, str], dict[str, s
             models.add(node_id)
     if not models:
         reason = f": {next(iter(left.values()))}" if left else ""
-        raise Refused(f"no Qwen-Image model: no UNETLoader loads a Qwen-Image DiT{reason}")
+        raise Refused(f"no Qwen-Image or NewBie model: no UNETLoader loads one{reason}")
     samplers = {k for k, n in api.items() if n["class_type"] == "QwenTurboCUDAGraphSampler"}
     for node_id, node in api.items():
         model = node["inputs"].get("model")

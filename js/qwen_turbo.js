@@ -86,7 +86,7 @@ export function loaderFileProblem(name) {
   if (/\.gguf$/i.test(name)) {
     return `${name} is a GGUF file; the Optimized Loader reads safetensors`;
   }
-  return /qwen/i.test(name) ? null : `${name}: its name does not say Qwen-Image`;
+  return /qwen|newbie/i.test(name) ? null : `${name}: its name does not say Qwen-Image or NewBie`;
 }
 
 // For an API prompt (ids "238:226" inside subgraphs): {todo: id -> pack node, left: id -> why}.
@@ -120,7 +120,7 @@ export function plan(api, fileProblem = loaderFileProblem) {
   }
   if (!models.size) {
     const why = left.size ? `: ${[...left.values()][0]}` : "";
-    throw new Unfit(`no Qwen-Image model: no UNETLoader loads a Qwen-Image DiT${why}`);
+    throw new Unfit(`no Qwen-Image or NewBie model: no UNETLoader loads one${why}`);
   }
   const fed = (id) => [...of(id)].some((a) => models.has(a));
   const samplers = new Set();

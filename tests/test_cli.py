@@ -278,6 +278,24 @@ def test_compare_runs_an_accelerated_template(executor_setup, models_dir, capsys
     assert row["psnr_db"] > 30 and row["ssim"] > 0.9, row
 
 
+def test_compare_runs_comfyuis_newbie_template_accelerated(executor_setup, models_dir, capsys):
+    """ComfyUI's NewBie-image template (its pipeline in a subgraph) after `convert --to pack`:
+    the loader, sampler and decode become the pack's; `compare` runs both on the tiny models
+    (the Optimized Loader's bf16 NewBie against UNETLoader's) and the pictures agree."""
+    if not models.host_takes_newbie():
+        pytest.skip("this ComfyUI cannot run NewBie-image (see test_workflows)")
+    ui = json.loads(template("image_newbieimage_exp0_1-t2i").read_text())
+    info = object_info(nodes.NODE_CLASS_MAPPINGS)
+    changed, left = convert.convert(ui, "pack", info)
+    assert not left and len(changed) == 4, (changed, left)
+    api = scaled_template(ui_to_api(ui, info))
+    kinds = {n["class_type"] for n in api.values()}
+    assert {"QwenTurboLoader", "QwenTurboCUDAGraphSampler"} <= kinds and "KSampler" not in kinds
+    assert compare.compare_graph(api, "image_newbieimage_exp0_1-t2i.json", prompt=None, seed=3) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pictures"]
+    assert row["psnr_db"] > 30 and row["ssim"] > 0.9, row
+
+
 def test_roofline_counts_the_forwards_flops():
     """The DiT forward's FLOPs from its shapes, checked against the figures worked out by hand
     from Qwen-Image's widths (3072, MLP 12288; 24,905 tokens at 2512², 7,145 at 1328²)."""

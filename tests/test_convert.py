@@ -143,7 +143,7 @@ def test_a_loader_the_optimized_loader_cannot_take_stays(info):
     _, changed, left = _converted(ui, "pack", info)
     assert len(changed) == 3 and "weight_dtype 'fp8_e5m2'" in left[0], left
     loader["widgets_values"][0] = "flux1-dev.safetensors"
-    with pytest.raises(convert.Refused, match="no Qwen-Image model: .*flux1-dev.safetensors is"):
+    with pytest.raises(convert.Refused, match="no Qwen-Image or NewBie model: .*flux1-dev.safe"):
         _converted(ui, "pack", info)
     assert set(PASSTHROUGH.values()) == {"vae", "model"}
 

@@ -11,7 +11,7 @@ from .pack import ROOT
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 INPUT_IMAGE = "qwen_turbo_test_input.png"  # LoadImage's picture on the tiny models
 # Full-size side -> CPU side (latent 8x smaller; both multiples of 16).
-SCALED = {2512: 64, 1328: 32, 2048: 64, 1024: 32}
+SCALED = {2512: 64, 1328: 32, 2048: 64, 1536: 48, 1024: 32}
 # NewBie's text features: Gemma-3-4B's width, and Jina CLIP v2's pooled vector
 NEWBIE_TEXT = {"width": 2560, "pooled": 1024}
 
