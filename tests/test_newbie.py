@@ -201,6 +201,9 @@ def test_fused_block_sends_what_it_does_not_handle_to_comfyuis_block():
         opts = {"patches": {"attn1_patch": [lambda *a: None]}}
         forward(x, None, freqs, adaln, transformer_options=opts)
         assert told[-1] == "attn1_patch model patches"
+        with pytest.raises(TypeError):  # an argument ComfyUI's block does not know either
+            forward(x, None, freqs, adaln, aaa=None, zzz=1)
+        assert told[-1] == "block argument 'zzz'"  # the one that is set
     why = nextdit_block.why_host_block
     assert why(block, x.half(), None, None, {}) == "fp16 activations"
     assert why(block, x, None, [(0, 4)], {}) == "reference images (timestep_zero_index)"

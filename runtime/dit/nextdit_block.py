@@ -57,8 +57,9 @@ def fused_block_forward(block, on_host: Callable | None = None) -> Callable:
         options = {} if transformer_options is None else transformer_options
         zero_index = kwargs.get("timestep_zero_index")
         why = why_host_block(block, x, x_mask, zero_index, options)
-        if why is None and any(v is not None for k, v in kwargs.items()):
-            why = f"block argument {sorted(kwargs)[0]!r}"
+        extra = sorted(k for k, v in kwargs.items() if v is not None)
+        if why is None and extra:  # an argument a newer host adds
+            why = f"block argument {extra[0]!r}"
         if why is not None:
             if on_host is not None:
                 on_host(why)
